@@ -1,0 +1,44 @@
+# Set-up is part of every target: `make test` works on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# The CPU wheel lies on disk here; on GPU machines set TORCH_SPEC to the CUDA build you want.
+TORCH_SPEC ?= torch==2.13.0
+DEEPSPEED_SPEC ?= deepspeed==0.19.8
+export DS_ACCELERATOR ?= cpu
+export DS_BUILD_OPS ?= 0
+export RAY_AUTH_MODE ?= token
+export PYTHONUNBUFFERED := 1
+
+.PHONY: setup test test-fast lint bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.torch:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	$(PIP) install -q "$(TORCH_SPEC)"
+	touch $@
+
+# deepspeed ships only as source; its isolated build would download torch.
+$(VENV)/.deepspeed: $(VENV)/.torch
+	$(PIP) install -q --no-build-isolation "$(DEEPSPEED_SPEC)"
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.deepspeed pyproject.toml
+	$(PIP) install -q -e ".[dev]"
+	touch $@
+
+test: setup
+	$(PY) -m pytest tests
+
+test-fast: setup
+	$(PY) -m pytest tests -m "unit"
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info

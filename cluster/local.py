@@ -1,0 +1,83 @@
+"""Start and stop a local Ray head on this machine, token authentication on, bound to 127.0.0.1.
+
+python -m cluster.local start --temp-dir /tmp/vp-ray     # prints the address
+python -m cluster.local stop
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class LocalCluster:
+    address: str  # GCS address for ray.init / cluster.address
+    dashboard_url: str  # Jobs API address for `ray job submit --address`
+    temp_dir: str
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ray_bin() -> str:
+    # The `ray` next to this interpreter, so workers import the same environment.
+    candidate = Path(sys.executable).with_name("ray")
+    return str(candidate) if candidate.exists() else (shutil.which("ray") or "ray")
+
+
+def auth_env() -> dict[str, str]:
+    """Client environment for a token-authenticated cluster (token from ~/.ray/auth_token by default)."""
+    return {**os.environ, "RAY_AUTH_MODE": "token"}
+
+
+def start_head(temp_dir: str, num_cpus: int = 4, include_dashboard: bool = True) -> LocalCluster:
+    port, dash = _free_port(), _free_port()
+    cmd = [
+        _ray_bin(), "start", "--head",
+        "--node-ip-address", "127.0.0.1",
+        "--port", str(port),
+        "--num-cpus", str(num_cpus),
+        "--temp-dir", temp_dir,
+        "--include-dashboard", str(include_dashboard).lower(),
+        "--dashboard-host", "127.0.0.1",
+        "--dashboard-port", str(dash),
+        "--disable-usage-stats",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=auth_env(), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return LocalCluster(f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}", temp_dir)
+
+
+def stop() -> None:
+    subprocess.run([_ray_bin(), "stop", "--force"], env=auth_env(), capture_output=True, text=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cluster.local", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("start")
+    s.add_argument("--temp-dir", default="/tmp/vitpipe-ray")
+    s.add_argument("--num-cpus", type=int, default=os.cpu_count() or 2)
+    sub.add_parser("stop")
+    args = p.parse_args(argv)
+    if args.cmd == "start":
+        c = start_head(args.temp_dir, args.num_cpus)
+        print(f"RAY_ADDRESS={c.address}\nJobs API: {c.dashboard_url}\nclients need RAY_AUTH_MODE=token")
+    else:
+        stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,263 @@
+"""The typed config tree: YAML in, a validated `ExperimentConfig` out.
+
+    cfg = load_config("configs/experiments/smoke.yaml", ["optim.lr=3e-4", "cluster.num_workers=2"])
+
+Every section is a pydantic model that forbids unknown keys, so a misspelled key or a value of the
+wrong type fails at load time with a `ConfigError` naming the file, the dotted key path and what was
+expected. Code reads typed fields only (`cfg.optim.lr`), never `dict.get(key, default)`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config file or override that does not fit the schema; the message says where and why."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    name: str = Field("vit_debug", description="Registered model name, see `pipeline.models.list_models()`.")
+    img_size: int = Field(32, gt=0, description="Training resolution in pixels (square).")
+    num_classes: int | None = Field(
+        None, gt=0, description="Classifier outputs; null takes the class count from the dataset manifest."
+    )
+    overrides: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword overrides passed to `create_model` (e.g. pos_embed, pool, drop_path_rate).",
+    )
+
+
+class SyntheticDataConfig(_Section):
+    num: int = Field(320, gt=0, description="Images to generate.")
+    classes: int = Field(8, gt=1, description="Number of classes.")
+    labels_per_image: float = Field(1.3, ge=1.0, description="Mean labels per image (multi-label corpus).")
+    width: int = Field(48, gt=0, description="Generated image width in pixels.")
+    height: int = Field(40, gt=0, description="Generated image height in pixels.")
+    max_count: int = Field(40, gt=0, description="Samples per shard.")
+    val_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="Fraction held out as the val split.")
+
+
+class DataConfig(_Section):
+    train: str = Field(
+        ...,
+        description="Dataset folder written by `vitpipe shard` (its train split is read); relative paths resolve against the CWD.",
+    )
+    synthetic: SyntheticDataConfig | None = Field(
+        None,
+        description="If set and `train` holds no dataset yet, generate this synthetic corpus there first.",
+    )
+    batch_size: int = Field(16, gt=0, description="Per-rank micro-batch size.")
+    num_workers: int = Field(1, ge=0, description="Loader worker processes per rank.")
+    shuffle_buffer: int = Field(256, ge=0, description="Samples held in the in-worker shuffle buffer.")
+    min_scale: float = Field(0.35, gt=0.0, le=1.0, description="RandomResizedCrop lower area bound.")
+
+
+class ObjectiveConfig(_Section):
+    name: Literal["supervised_softmax", "supervised_sigmoid"] = Field(
+        "supervised_softmax", description="Training objective."
+    )
+    label_smoothing: float = Field(0.0, ge=0.0, lt=1.0, description="Label smoothing (softmax only).")
+    head_bias_init: float | None = Field(
+        None, description="Classifier bias init; null means 0 for softmax and -10 for sigmoid (big_vision)."
+    )
+
+
+class OptimConfig(_Section):
+    lr: float = Field(1e-3, gt=0.0, description="Base learning rate, scaled by global_batch / 256.")
+    scale_lr: bool = Field(True, description="Apply lr = lr * global_batch / 256.")
+    weight_decay: float = Field(0.05, ge=0.0, description="Decoupled weight decay (AdamW).")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas.")
+    steps: int = Field(40, gt=0, description="Total optimizer steps of the stage.")
+    warmup_steps: int = Field(5, ge=0, description="Linear warmup steps.")
+    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
+    grad_clip: float = Field(1.0, ge=0.0, description="Global gradient-norm clip; 0 disables.")
+
+
+class DeepSpeedConfig(_Section):
+    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="ZeRO stage.")
+    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Training precision.")
+    grad_accum: int = Field(1, gt=0, description="Gradient accumulation steps.")
+    offload_optimizer: bool = Field(False, description="ZeRO CPU offload of the optimizer state.")
+    offload_params: bool = Field(False, description="ZeRO-3 CPU offload of the parameters.")
+
+
+class ClusterConfig(_Section):
+    launcher: Literal["local", "ray"] = Field(
+        "ray", description="`ray`: Ray Train workers; `local`: this process (or torchrun's processes)."
+    )
+    num_workers: int = Field(2, gt=0, description="Training workers (ranks) for the Ray launcher.")
+    use_gpu: bool = Field(False, description="One GPU per worker, NCCL backend; else CPU and gloo.")
+    cpus_per_worker: float = Field(1.0, gt=0.0, description="CPUs reserved per worker.")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray placement group strategy."
+    )
+    address: str | None = Field(
+        None, description="Ray address; null uses RAY_ADDRESS or starts a local Ray instance."
+    )
+    max_failures: int = Field(0, ge=-1, description="Worker-group restarts Ray Train allows (-1: unlimited).")
+
+
+class TrackingConfig(_Section):
+    uri: str | None = Field(
+        None, description="MLflow tracking URI; null means sqlite:///<run_dir>/mlflow.db."
+    )
+    experiment: str | None = Field(None, description="MLflow experiment name; null means the config's name.")
+    log_every: int = Field(1, gt=0, description="Log metrics every N steps.")
+
+
+class CheckpointConfig(_Section):
+    every_steps: int = Field(0, ge=0, description="Save every N steps; 0 saves only at the end.")
+    keep_last: int = Field(2, gt=0, description="Checkpoints kept on disk.")
+
+
+class ExperimentConfig(_Section):
+    name: str = Field(
+        ..., min_length=1, description="Experiment name; names the run directory and MLflow experiment."
+    )
+    seed: int = Field(0, description="Root seed: model init, data order, augmentation.")
+    run_dir: str = Field("runs/{name}", description="Output folder; `{name}` expands; relative to the CWD.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig
+    objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> ExperimentConfig:
+        if self.deepspeed.offload_params and self.deepspeed.zero_stage != 3:
+            raise ValueError("deepspeed.offload_params needs deepspeed.zero_stage: 3")
+        if self.optim.warmup_steps > self.optim.steps:
+            raise ValueError(
+                f"optim.warmup_steps ({self.optim.warmup_steps}) exceeds optim.steps ({self.optim.steps})"
+            )
+        return self
+
+    # Derived quantities, one definition each.
+    @property
+    def run_path(self) -> Path:
+        return Path(self.run_dir.format(name=self.name)).absolute()
+
+    @property
+    def tracking_uri(self) -> str:
+        return self.tracking.uri or f"sqlite:///{self.run_path / 'mlflow.db'}"
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`optim.lr=3e-4` -> (["optim", "lr"], 0.0003); the value is parsed as YAML."""
+    key, sep, value = text.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r}: expected KEY.PATH=VALUE, e.g. optim.lr=3e-4")
+    return key.split("."), yaml.safe_load(value) if value != "" else ""
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = raw
+        for i, part in enumerate(path[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(
+                    f"override {text!r}: {'.'.join(path[: i + 1])} is a {type(child).__name__}, not a section"
+                )
+            node = child
+        node[path[-1]] = value
+    return raw
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
+    """The field names valid at the section that holds `loc[-1]`."""
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None)
+        candidates = [ann, *getattr(ann, "__args__", ())]
+        nxt = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if nxt is None:
+            return []
+        model = nxt
+    return list(model.model_fields)
+
+
+def _describe(err: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid config ({err.error_count()} problem{'s' * (err.error_count() > 1)})"]
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        key = ".".join(str(p) for p in loc) or "<root>"
+        if e["type"] == "extra_forbidden":
+            allowed = _allowed_keys(ExperimentConfig, loc)
+            close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            lines.append(f"  {key}: unknown key{hint} allowed keys here: {', '.join(allowed)}")
+        elif e["type"] == "missing":
+            lines.append(f"  {key}: required key is missing")
+        else:
+            lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Read YAML, apply dotted overrides, validate. Relative `data.train` resolves against the CWD."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
+    raw = apply_overrides(raw, list(overrides or []))
+    return validate_config(raw, source=str(path))
+
+
+def validate_config(raw: dict, source: str = "<config>") -> ExperimentConfig:
+    try:
+        return ExperimentConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_describe(err, source)) from None
+
+
+def save_resolved(cfg: ExperimentConfig, path: Path) -> Path:
+    """Write the resolved config atomically (every run keeps the exact config it ran with)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(cfg.to_yaml())
+    os.replace(tmp, path)
+    return path
+
+
+def flatten(cfg: ExperimentConfig) -> dict[str, str]:
+    """Dotted key -> string value, for MLflow params."""
+    out: dict[str, str] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, dict):
+            if not node:
+                out[prefix] = "{}"
+            for k, v in node.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        else:
+            out[prefix] = str(node)
+
+    walk("", cfg.model_dump(mode="json"))
+    return out

@@ -1,0 +1,135 @@
+"""The one place DeepSpeed appears: our config -> a DeepSpeed config -> an engine.
+
+On CPU DeepSpeed needs `DS_ACCELERATOR=cpu` before it is imported, the gloo backend, and torch's
+AdamW (`torch_adam`), since FusedAdam needs CUDA; on GPU the fused AdamW is used.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeline.config import ExperimentConfig
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _deepspeed():
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    import deepspeed
+
+    return deepspeed
+
+
+def init_distributed(use_gpu: bool) -> DistContext:
+    """Join the process group that the launcher (Ray Train, torchrun or launch_local) described in env vars."""
+    backend = "nccl" if use_gpu else "gloo"
+    if not dist.is_initialized():
+        _deepspeed().init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_gpu:
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"rank {rank}: cluster.use_gpu is true but CUDA is not available on this worker"
+            )
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    return DistContext(rank, world, local_rank, device)
+
+
+def scaled_lr(cfg: ExperimentConfig, world_size: int) -> float:
+    """lr = base_lr * global_batch / 256 (Goyal et al.; MAE and DeiT use it)."""
+    global_batch = cfg.data.batch_size * cfg.deepspeed.grad_accum * world_size
+    return cfg.optim.lr * global_batch / 256 if cfg.optim.scale_lr else cfg.optim.lr
+
+
+def deepspeed_config(cfg: ExperimentConfig, world_size: int, use_gpu: bool) -> dict:
+    ds = cfg.deepspeed
+    zero: dict = {"stage": ds.zero_stage}
+    if ds.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": use_gpu}
+    if ds.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": use_gpu}
+    return {
+        "train_micro_batch_size_per_gpu": cfg.data.batch_size,
+        "gradient_accumulation_steps": ds.grad_accum,
+        "train_batch_size": cfg.data.batch_size * ds.grad_accum * world_size,
+        "gradient_clipping": cfg.optim.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": ds.precision == "bf16"},
+        "fp16": {"enabled": ds.precision == "fp16", "initial_scale_power": 16},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": scaled_lr(cfg, world_size),
+                "betas": list(cfg.optim.betas),
+                "weight_decay": cfg.optim.weight_decay,
+                "torch_adam": not use_gpu,
+                "adam_w_mode": True,
+            },
+        },
+        "steps_per_print": 2**31 - 1,  # our loop prints progress; keep DeepSpeed quiet
+        "wall_clock_breakdown": False,
+    }
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """No weight decay on norms, biases, position embeddings and tokens (1-D or named embeddings)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        skip = p.ndim <= 1 or name.endswith(("pos_embed", "cls_token", "dist_token", "mask_token"))
+        (no_decay if skip else decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def lr_multiplier(step: int, warmup: int, total: int, schedule: str) -> float:
+    """Linear warmup from 0, then cosine / linear decay to 0, or constant."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
+
+
+def build_engine(model: nn.Module, cfg: ExperimentConfig, ctx: DistContext):
+    deepspeed = _deepspeed()
+    use_gpu = ctx.device.type == "cuda"
+    o = cfg.optim
+
+    def scheduler(optimizer):
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: lr_multiplier(s, o.warmup_steps, o.steps, o.schedule)
+        )
+
+    engine, optimizer, _, lr_scheduler = deepspeed.initialize(
+        model=model.to(ctx.device),
+        model_parameters=param_groups(model, o.weight_decay),
+        config=deepspeed_config(cfg, ctx.world_size, use_gpu),
+        lr_scheduler=scheduler,
+        dist_init_required=False,
+    )
+    return engine, optimizer, lr_scheduler

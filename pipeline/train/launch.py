@@ -1,0 +1,68 @@
+"""Run a stage without Ray: in this process, or in each process torchrun starts.
+
+vitpipe train configs/experiments/smoke.yaml cluster.launcher=local
+torchrun --nproc-per-node 2 -m pipeline.train.launch configs/experiments/smoke.yaml
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+from data_prep.layout import has_dataset
+from data_prep.synthetic import class_names, synthetic_samples
+from data_prep.writer import write_dataset
+from pipeline.config import ExperimentConfig, load_config
+from pipeline.train.loop import StageResult, train
+
+
+def prepare_data(cfg: ExperimentConfig) -> None:
+    """Generate the configured synthetic corpus once, before any rank starts (no-op if present)."""
+    syn = cfg.data.synthetic
+    if syn is None or has_dataset(cfg.data.train):
+        return
+    samples = synthetic_samples(
+        syn.num, syn.classes, seed=cfg.seed, labels_per_image=syn.labels_per_image,
+        width=syn.width, height=syn.height, val_fraction=syn.val_fraction,
+    )  # fmt: skip
+    write_dataset(
+        cfg.data.train, samples, class_names(syn.classes), multi_label=True, max_count=syn.max_count,
+        options=syn.model_dump(),
+    )  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_local(cfg: ExperimentConfig) -> StageResult:
+    """One process, or one rank of a torchrun job (torchrun sets RANK/WORLD_SIZE/MASTER_*)."""
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if os.environ.get("RANK", "0") == "0":
+        prepare_data(cfg)
+    return train(cfg)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        sys.exit("usage: python -m pipeline.train.launch CONFIG [KEY=VALUE ...]")
+    cfg = load_config(argv[0], argv[1:])
+    if (
+        int(os.environ.get("WORLD_SIZE", "1")) > 1
+        and cfg.data.synthetic is not None
+        and not has_dataset(cfg.data.train)
+    ):
+        sys.exit(
+            f"{cfg.data.train}: generate the dataset first (vitpipe shard synthetic) when running under torchrun"
+        )
+    launch_local(cfg)
+
+
+if __name__ == "__main__":
+    main()

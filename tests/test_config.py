@@ -1,0 +1,85 @@
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import ConfigError, flatten, load_config, save_resolved
+
+pytestmark = pytest.mark.unit
+SMOKE = Path(__file__).parents[1] / "configs/experiments/smoke.yaml"
+
+
+def write(tmp_path, text: str) -> Path:
+    p = tmp_path / "exp.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_smoke_config_is_valid_and_typed():
+    cfg = load_config(SMOKE)
+    assert cfg.name == "smoke"
+    assert cfg.deepspeed.zero_stage == 2
+    assert cfg.cluster.num_workers == 2
+    assert isinstance(cfg.optim.lr, float)
+    assert cfg.data.synthetic is not None and cfg.data.synthetic.num == 320
+
+
+def test_misspelled_key_names_file_path_and_allowed_keys(tmp_path):
+    p = write(tmp_path, "name: x\ndata: {train: d}\noptim: {lrr: 0.1}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(p)
+    msg = str(err.value)
+    assert str(p) in msg
+    assert "optim.lrr: unknown key" in msg
+    assert "did you mean 'lr'" in msg
+    assert "weight_decay" in msg  # the allowed keys are listed
+
+
+def test_wrong_type_names_key_and_expectation(tmp_path):
+    p = write(tmp_path, "name: x\ndata: {train: d, batch_size: many}\n")
+    with pytest.raises(ConfigError, match=r"data\.batch_size: .*integer.*'many'"):
+        load_config(p)
+
+
+def test_wrong_literal_lists_choices(tmp_path):
+    p = write(tmp_path, "name: x\ndata: {train: d}\ndeepspeed: {zero_stage: 4}\n")
+    with pytest.raises(ConfigError, match=r"deepspeed\.zero_stage: .*0, 1, 2 or 3"):
+        load_config(p)
+
+
+def test_missing_required_key(tmp_path):
+    p = write(tmp_path, "name: x\n")
+    with pytest.raises(ConfigError, match=r"data: required key is missing"):
+        load_config(p)
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"nope\.yaml: config file not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_nested_overrides_are_parsed_and_validated():
+    cfg = load_config(SMOKE, ["optim.lr=3e-4", "cluster.num_workers=3", "model.overrides.pool=gap"])
+    assert cfg.optim.lr == pytest.approx(3e-4)
+    assert cfg.cluster.num_workers == 3
+    assert cfg.model.overrides == {"pool": "gap"}
+    with pytest.raises(ConfigError, match=r"cluster\.num_wrkers: unknown key"):
+        load_config(SMOKE, ["cluster.num_wrkers=3"])
+    with pytest.raises(ConfigError, match="expected KEY.PATH=VALUE"):
+        load_config(SMOKE, ["optim.lr"])
+    with pytest.raises(ConfigError, match=r"optim\.lr is a float, not a section"):
+        load_config(SMOKE, ["optim.lr.x=1"])
+
+
+def test_cross_field_validation(tmp_path):
+    p = write(tmp_path, "name: x\ndata: {train: d}\ndeepspeed: {zero_stage: 2, offload_params: true}\n")
+    with pytest.raises(ConfigError, match="offload_params needs deepspeed.zero_stage: 3"):
+        load_config(p)
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(SMOKE, ["optim.steps=7"])
+    path = save_resolved(cfg, tmp_path / "run" / "config.yaml")
+    again = load_config(path)
+    assert again == cfg
+    flat = flatten(cfg)
+    assert flat["optim.steps"] == "7" and flat["deepspeed.zero_stage"] == "2"

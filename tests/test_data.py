@@ -1,0 +1,107 @@
+import json
+import tarfile
+from collections import Counter
+
+import pytest
+import torch
+import webdataset as wds
+
+from data_prep.layout import DatasetError, read_manifest
+from data_prep.synthetic import class_names, synthetic_samples
+from data_prep.writer import write_dataset
+from pipeline.data.loader import ShardStream, dataset_info
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ds")
+    samples = synthetic_samples(90, 6, seed=1, width=40, height=30, val_fraction=0.2)
+    write_dataset(root, samples, class_names(6), multi_label=True, max_count=10)
+    return root
+
+
+def test_layout_manifest_and_plain_webdataset_reads_it(dataset):
+    m = read_manifest(dataset)
+    assert sum(m.totals.values()) == 90 and set(m.totals) == {"train", "val"}
+    assert all(s.count <= 10 and len(s.sha256) == 64 for s in m.shards)
+    assert (dataset / "index.parquet").is_file()
+    assert not list(dataset.rglob("*.tmp"))  # no partial files left behind
+    urls = [str(dataset / s.path) for s in m.split_shards("train")]
+    with tarfile.open(urls[0]) as tar:
+        names = tar.getnames()
+    assert names[0].endswith(".jpg") and names[1].endswith(".json")
+    samples = list(wds.WebDataset(urls, shardshuffle=False).decode("pil"))
+    assert len(samples) == m.totals["train"]
+    labels = samples[0]["json"]["labels"]
+    assert labels and all(0 <= c < 6 for c in labels)
+    assert samples[0]["jpg"].size == (40, 30)
+
+
+def test_synthetic_is_deterministic_and_multilabel():
+    a = [(s.key, s.labels, s.image) for s in synthetic_samples(20, 10, seed=3, width=32, height=32)]
+    b = [(s.key, s.labels, s.image) for s in synthetic_samples(20, 10, seed=3, width=32, height=32)]
+    assert a == b
+    mean_labels = sum(len(s.labels) for s in synthetic_samples(400, 50, seed=0, width=16, height=16)) / 400
+    assert 1.15 < mean_labels < 1.45
+
+
+def _keys_of(stream: ShardStream, epoch: int, num_workers: int) -> list[str]:
+    keys = []
+    for w in range(num_workers):
+        for url in stream.shards_for(epoch, w, num_workers):
+            keys += [s["__key__"] for s in wds.WebDataset(url, shardshuffle=False)]
+    return keys
+
+
+def test_every_key_read_once_per_epoch_across_ranks_and_workers(dataset):
+    info = dataset_info(dataset)
+    streams = [
+        ShardStream(info, rank=r, world_size=2, batch_size=4, img_size=16, seed=0, num_workers=2)
+        for r in range(2)
+    ]
+    for epoch in (0, 1):
+        keys = [k for s in streams for k in _keys_of(s, epoch, 2)]
+        counts = Counter(keys)
+        assert len(counts) == info.num_samples and set(counts.values()) == {1}
+    assert streams[0].shards_for(0, 0, 2) != streams[0].shards_for(1, 0, 2) or len(info.urls) < 4
+
+
+def test_batches_are_uint8_multi_hot_and_seeded(dataset):
+    info = dataset_info(dataset)
+
+    def first_batches(seed):
+        s = ShardStream(info, rank=0, world_size=1, batch_size=8, img_size=16, seed=seed, num_workers=1)
+        it = iter(s)
+        return [next(it) for _ in range(3)]
+
+    a, b, c = first_batches(0), first_batches(0), first_batches(1)
+    assert a[0]["image"].dtype == torch.uint8 and a[0]["image"].shape == (8, 3, 16, 16)
+    assert a[0]["target"].shape == (8, 6) and set(a[0]["target"].unique().tolist()) <= {0.0, 1.0}
+    assert all(torch.equal(x["image"], y["image"]) for x, y in zip(a, b))
+    assert not all(torch.equal(x["image"], y["image"]) for x, y in zip(a, c))
+
+
+def test_too_few_shards_for_ranks_times_workers_is_a_clear_error(dataset):
+    info = dataset_info(dataset)
+    with pytest.raises(DatasetError, match=r"cannot be split over 4 ranks x 4 loader workers"):
+        ShardStream(info, rank=0, world_size=4, batch_size=4, img_size=16, seed=0, num_workers=4)
+
+
+def test_corrupt_image_is_skipped_and_counted(tmp_path):
+    good = list(synthetic_samples(12, 4, seed=0, width=20, height=20))
+    good[3].image = b"not a jpeg"
+    write_dataset(tmp_path, good, class_names(4), multi_label=True, max_count=12)
+    info = dataset_info(tmp_path)
+    stream = ShardStream(info, rank=0, world_size=1, batch_size=11, img_size=16, seed=0, num_workers=0)
+    batch = next(iter(stream))
+    assert batch["skipped"] == 1 and batch["image"].shape[0] == 11
+
+
+def test_missing_manifest_names_the_folder(tmp_path):
+    with pytest.raises(DatasetError, match=f"{tmp_path}/manifest.json: no manifest"):
+        dataset_info(tmp_path)
+    (tmp_path / "manifest.json").write_text(json.dumps({"format_version": 99}))
+    with pytest.raises(DatasetError, match="format_version 99"):
+        dataset_info(tmp_path)

@@ -1,0 +1,57 @@
+"""`vitpipe`: the command-line dispatcher, the only module that knows data_prep, pipeline and cluster.
+
+Each sub-command's arguments and code live in the package that owns it; this module wires them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _train(args: argparse.Namespace) -> int:
+    from pipeline.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    if cfg.cluster.launcher == "ray":
+        from cluster.run import run_training
+
+        result = run_training(cfg)
+        if result.error is not None:
+            print(f"training failed: {result.error}", file=sys.stderr)
+            return 1
+    else:
+        from pipeline.train.launch import launch_local
+
+        launch_local(cfg)
+    print(f"run directory: {cfg.run_path}\nMLflow: {cfg.tracking_uri}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from data_prep.cli import add_shard_parser
+    from pipeline.cli import add_train_parser
+
+    parser = argparse.ArgumentParser(prog="vitpipe", description="Pretrain Vision Transformers at scale.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_shard_parser(sub)
+    add_train_parser(sub).set_defaults(func=_train)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from data_prep.layout import DatasetError
+    from pipeline.config import ConfigError
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, DatasetError) as exc:
+        print(f"vitpipe {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
