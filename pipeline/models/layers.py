@@ -1,10 +1,12 @@
-"""Transformer building blocks in the timm/MAE layout (`attn.qkv`, `mlp.fc1`, ...), single-device."""
+"""Transformer building blocks in the timm/MAE layout (`attn.qkv`, `mlp.fc1`, `ls1.gamma`, ...), single-device."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pipeline.models.pos_embed import RelativePositionBias
 
 
 class PatchEmbed(nn.Module):
@@ -15,8 +17,8 @@ class PatchEmbed(nn.Module):
         if img_size % patch_size:
             raise ValueError(f"img_size {img_size} is not a multiple of patch_size {patch_size}")
         self.patch_size = patch_size
-        self.grid_size = img_size // patch_size
-        self.num_patches = self.grid_size**2
+        self.grid_size = (img_size // patch_size, img_size // patch_size)
+        self.num_patches = self.grid_size[0] * self.grid_size[1]
         self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -33,11 +35,14 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_bias: torch.Tensor | None = None) -> torch.Tensor:
         B, N, D = x.shape
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)  # [B, H, N, D/H] each
-        x = F.scaled_dot_product_attention(q, k, v)  # flash / memory-efficient kernels where available
+        bias = None if attn_bias is None else attn_bias.to(q.dtype)  # [H, N, N], broadcast over B
+        x = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=bias
+        )  # flash / efficient kernels when bias is None
         return self.proj(x.transpose(1, 2).reshape(B, N, D))
 
 
@@ -52,16 +57,63 @@ class Mlp(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
-class Block(nn.Module):
-    """Pre-LN transformer encoder block."""
+class LayerScale(nn.Module):
+    """Per-channel residual scaling (CaiT); timm names the parameter `gamma`."""
 
-    def __init__(self, dim: int, num_heads: int, mlp_dim: int, qkv_bias: bool = True):
+    def __init__(self, dim: int, init_values: float):
         super().__init__()
-        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
-        self.attn = Attention(dim, num_heads, qkv_bias)
-        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
-        self.mlp = Mlp(dim, mlp_dim)
+        self.gamma = nn.Parameter(torch.full((dim,), float(init_values)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+        return x * self.gamma
+
+
+class DropPath(nn.Module):
+    """Stochastic depth: drop the whole residual branch per sample (scaled to keep the expectation)."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.p == 0.0 or not self.training:
+            return x
+        keep = 1.0 - self.p
+        mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
+        return x * mask / keep
+
+    def extra_repr(self) -> str:
+        return f"p={self.p:.3f}"
+
+
+class Block(nn.Module):
+    """Pre-LN transformer encoder block with optional layer scale and stochastic depth."""
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        mlp_dim: int,
+        qkv_bias: bool = True,
+        drop_path: float = 0.0,
+        init_values: float | None = None,
+        rel_pos_grid: tuple[int, int] | None = None,
+        num_prefix_tokens: int = 0,
+    ):
+        super().__init__()
+        # Relative position: a learned bias per head and offset in every block (pos_embed="relative").
+        self.rel_pos = (
+            RelativePositionBias(rel_pos_grid, num_heads, num_prefix_tokens) if rel_pos_grid else None
+        )
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = Attention(dim, num_heads, qkv_bias)
+        self.ls1 = LayerScale(dim, init_values) if init_values else nn.Identity()
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = Mlp(dim, mlp_dim)
+        self.ls2 = LayerScale(dim, init_values) if init_values else nn.Identity()
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        attn_bias = self.rel_pos() if self.rel_pos is not None else None
+        x = x + self.drop_path(self.ls1(self.attn(self.norm1(x), attn_bias)))
+        return x + self.drop_path(self.ls2(self.mlp(self.norm2(x))))

@@ -80,3 +80,9 @@ def vit_h14(**kw):
 @register
 def vit_g14(**kw):
     return _vit(14, 1408, 40, 16, 6144, **kw)
+
+
+@register
+def vit_r50_b16(**kw):
+    """R50+ViT-B/16 hybrid: ResNet-50 stages (3, 4, 9) at stride 16 feed 1x1 patches into ViT-B."""
+    return _vit(16, 768, 12, 12, 3072, **{"hybrid_layers": (3, 4, 9), **kw})

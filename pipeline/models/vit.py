@@ -1,6 +1,8 @@
-"""The Vision Transformer of "An Image is Worth 16x16 Words", single-device PyTorch.
+"""The Vision Transformer of "An Image is Worth 16x16 Words" with the variants its papers ablate.
 
-Parameter names follow the layout timm, DeiT and MAE publish, so their state dicts map one to one.
+Single-device PyTorch. Parameter names follow the layout timm, DeiT and MAE publish
+(`patch_embed.proj`, `cls_token`, `dist_token`, `pos_embed`, `blocks.N.attn.qkv`, `norm`, `fc_norm`,
+`head`, `head_dist`), so their state dicts map one to one (see `convert.py`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from pipeline.models.hybrid import HybridEmbed
 from pipeline.models.layers import Block, PatchEmbed
+from pipeline.models.pos_embed import POS_EMBED_KINDS, resample_abs_pos_embed, sincos_2d
 
 
 class VisionTransformer(nn.Module):
@@ -26,34 +30,72 @@ class VisionTransformer(nn.Module):
         num_heads: int = 12,
         mlp_dim: int = 3072,
         pool: Literal["cls", "gap"] = "cls",
+        pos_embed: Literal["learned", "learned_2d", "sincos2d", "relative", "none"] = "learned",
+        distilled: bool = False,
+        hybrid_layers: tuple[int, ...] | None = None,
         qkv_bias: bool = True,
+        drop_path_rate: float = 0.0,
+        init_values: float | None = None,
         head_bias_init: float = 0.0,
         grad_checkpointing: bool = False,
     ):
         super().__init__()
         if pool not in ("cls", "gap"):
             raise ValueError(f"pool must be 'cls' or 'gap', got {pool!r}")
-        self.pool = pool
-        self.num_classes = num_classes
-        self.embed_dim = embed_dim
+        if pos_embed not in POS_EMBED_KINDS:
+            raise ValueError(f"pos_embed must be one of {POS_EMBED_KINDS}, got {pos_embed!r}")
+        if distilled and pool != "cls":
+            raise ValueError("distilled=True needs pool='cls' (DeiT reads the class and distillation tokens)")
+        self.pool, self.pos_embed_kind, self.distilled = pool, pos_embed, distilled
+        self.num_classes, self.embed_dim, self.depth = num_classes, embed_dim, depth
         self.grad_checkpointing = grad_checkpointing
-        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
-        self.num_prefix_tokens = 1 if pool == "cls" else 0
+        self.distilled_training = False  # set by the distillation objective: forward returns both heads
+
+        if hybrid_layers:
+            self.patch_embed: nn.Module = HybridEmbed(img_size, embed_dim, tuple(hybrid_layers), in_chans)
+        else:
+            self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
+        grid = self.patch_embed.grid_size
+        self.num_prefix_tokens = (pool == "cls") + distilled
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if pool == "cls" else None
-        self.pos_embed = nn.Parameter(
-            torch.zeros(1, self.patch_embed.num_patches + self.num_prefix_tokens, embed_dim)
+        self.dist_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if distilled else None
+
+        # Absolute position embeddings; `relative` lives in the blocks, `none` has none.
+        self.pos_embed = None
+        if pos_embed == "learned":
+            self.pos_embed = nn.Parameter(
+                torch.zeros(1, self.num_prefix_tokens + grid[0] * grid[1], embed_dim)
+            )
+        elif pos_embed == "learned_2d":
+            if embed_dim % 2:
+                raise ValueError(f"learned_2d needs an even width, got {embed_dim}")
+            self.pos_embed_row = nn.Parameter(torch.zeros(1, grid[0], embed_dim // 2))
+            self.pos_embed_col = nn.Parameter(torch.zeros(1, grid[1], embed_dim // 2))
+        elif pos_embed == "sincos2d":
+            self.register_buffer("pos_embed_fixed", sincos_2d(*grid, embed_dim)[None], persistent=False)
+
+        dpr = [drop_path_rate * i / max(1, depth - 1) for i in range(depth)]  # stochastic depth grows with depth
+        rel_grid = grid if pos_embed == "relative" else None
+        self.blocks = nn.ModuleList(
+            Block(
+                embed_dim, num_heads, mlp_dim, qkv_bias, dpr[i], init_values, rel_grid, self.num_prefix_tokens
+            )
+            for i in range(depth)
         )
-        self.blocks = nn.ModuleList(Block(embed_dim, num_heads, mlp_dim, qkv_bias) for _ in range(depth))
         # cls pooling: final norm on every token; gap: norm after pooling (timm's fc_norm).
         self.norm = nn.LayerNorm(embed_dim, eps=1e-6) if pool == "cls" else nn.Identity()
         self.fc_norm = nn.LayerNorm(embed_dim, eps=1e-6) if pool == "gap" else nn.Identity()
         self.head = nn.Linear(embed_dim, num_classes)
+        self.head_dist = nn.Linear(embed_dim, num_classes) if distilled else None
         self._init_weights(head_bias_init)
 
+    # ------------------------------------------------------------------ init
+
     def _init_weights(self, head_bias_init: float) -> None:
-        nn.init.trunc_normal_(self.pos_embed, std=0.02)
-        if self.cls_token is not None:
-            nn.init.trunc_normal_(self.cls_token, std=0.02)
+        for p in (self.pos_embed, self.cls_token, self.dist_token, getattr(self, "pos_embed_row", None),
+                  getattr(self, "pos_embed_col", None)):  # fmt: skip
+            if p is not None:
+                nn.init.trunc_normal_(p, std=0.02)
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.trunc_normal_(m.weight, std=0.02)
@@ -65,24 +107,101 @@ class VisionTransformer(nn.Module):
         w = self.patch_embed.proj.weight
         nn.init.xavier_uniform_(w.view(w.shape[0], -1))  # as a linear layer (MAE, big_vision)
         nn.init.zeros_(self.patch_embed.proj.bias)
-        nn.init.zeros_(self.head.weight)  # zero-initialised classifier, as the paper does
-        nn.init.constant_(self.head.bias, head_bias_init)
+        for head in (self.head, self.head_dist):
+            if head is not None:
+                nn.init.zeros_(head.weight)  # zero-initialised classifier, as the paper does
+                nn.init.constant_(head.bias, head_bias_init)
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.patch_embed(x)  # [B, N, D]
-        if self.cls_token is not None:
-            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # [B, 1+N, D]
-        x = x + self.pos_embed
+    # ------------------------------------------------------------------ embeddings
+
+    @property
+    def grid_size(self) -> tuple[int, int]:
+        return self.patch_embed.grid_size
+
+    def patch_pos_embed(self) -> torch.Tensor | None:
+        """The absolute position embedding of the patch tokens [1, N, D], or None (relative / none)."""
+        if self.pos_embed_kind == "learned":
+            return self.pos_embed[:, self.num_prefix_tokens :]
+        if self.pos_embed_kind == "learned_2d":
+            h, w = self.grid_size
+            row = self.pos_embed_row[:, :, None].expand(-1, h, w, -1)  # [1, H, W, D/2]
+            col = self.pos_embed_col[:, None, :].expand(-1, h, w, -1)
+            return torch.cat([row, col], dim=-1).reshape(1, h * w, self.embed_dim)
+        if self.pos_embed_kind == "sincos2d":
+            return self.pos_embed_fixed
+        return None
+
+    def prefix_tokens(self, batch: int) -> torch.Tensor | None:
+        """Class and distillation tokens with their position embedding [B, P, D], or None (gap)."""
+        tokens = [t for t in (self.cls_token, self.dist_token) if t is not None]
+        if not tokens:
+            return None
+        x = torch.cat(tokens, dim=1)
+        if self.pos_embed_kind == "learned":
+            x = x + self.pos_embed[:, : self.num_prefix_tokens]
+        return x.expand(batch, -1, -1)
+
+    def embed_patches(self, x: torch.Tensor) -> torch.Tensor:
+        """Images -> patch tokens with absolute position added [B, N, D] (no prefix tokens)."""
+        x = self.patch_embed(x)
+        pos = self.patch_pos_embed()
+        return x if pos is None else x + pos
+
+    def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
         for blk in self.blocks:
             if self.grad_checkpointing and self.training:
-                x = checkpoint(blk, x, use_reentrant=False)
+                x = checkpoint(blk, x, use_reentrant=False)  # recompute activations in backward
             else:
                 x = blk(x)
-        return self.norm(x)
+        return x
 
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        x = x[:, 0] if self.pool == "cls" else self.fc_norm(x.mean(dim=1))  # [B, D]
-        return x if pre_logits else self.head(x)
+    # ------------------------------------------------------------------ forward
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed_patches(x)  # [B, N, D]
+        prefix = self.prefix_tokens(x.shape[0])
+        if prefix is not None:
+            x = torch.cat([prefix, x], dim=1)  # [B, P+N, D]
+        return self.norm(self.forward_blocks(x))
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False):
+        if self.pool == "gap":
+            x = self.fc_norm(x[:, self.num_prefix_tokens :].mean(dim=1))  # [B, D]
+            return x if pre_logits else self.head(x)
+        if pre_logits:
+            return x[:, 0]
+        logits = self.head(x[:, 0])
+        if self.head_dist is None:
+            return logits
+        logits_dist = self.head_dist(x[:, 1])
+        if self.distilled_training and self.training:
+            return logits, logits_dist
+        return (logits + logits_dist) / 2  # DeiT: the two heads averaged at inference
+
+    def forward(self, x: torch.Tensor):
         return self.forward_head(self.forward_features(x))
+
+    # ------------------------------------------------------------------ resolution change
+
+    def set_grid(self, img_size: int) -> None:
+        """Change the input resolution in place: position embeddings are resampled (bicubic), prefix rows kept."""
+        p = self.patch_embed.patch_size
+        if img_size % p:
+            raise ValueError(f"img_size {img_size} is not a multiple of the patch size {p}")
+        old, new = self.grid_size, (img_size // p, img_size // p)
+        if old == new:
+            return
+        self.patch_embed.grid_size, self.patch_embed.num_patches = new, new[0] * new[1]
+        if self.pos_embed_kind == "learned":
+            table = resample_abs_pos_embed(self.pos_embed.data, new, self.num_prefix_tokens, old)
+            self.pos_embed = nn.Parameter(table)
+        elif self.pos_embed_kind == "learned_2d":
+            for name, size in (("pos_embed_row", new[0]), ("pos_embed_col", new[1])):
+                t = getattr(self, name).data.transpose(1, 2)  # [1, D/2, L]
+                t = nn.functional.interpolate(t, size=size, mode="linear", align_corners=False)
+                setattr(self, name, nn.Parameter(t.transpose(1, 2).contiguous()))
+        elif self.pos_embed_kind == "sincos2d":
+            self.pos_embed_fixed = sincos_2d(*new, self.embed_dim)[None].to(self.pos_embed_fixed.device)
+        elif self.pos_embed_kind == "relative":
+            for blk in self.blocks:
+                blk.rel_pos.resample(new)

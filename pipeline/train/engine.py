@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.config import ExperimentConfig
+from pipeline.models.param_groups import param_groups
 
 
 @dataclass(frozen=True)
@@ -89,20 +90,6 @@ def deepspeed_config(cfg: ExperimentConfig, world_size: int, use_gpu: bool) -> d
         "steps_per_print": 2**31 - 1,  # our loop prints progress; keep DeepSpeed quiet
         "wall_clock_breakdown": False,
     }
-
-
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """No weight decay on norms, biases, position embeddings and tokens (1-D or named embeddings)."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        skip = p.ndim <= 1 or name.endswith(("pos_embed", "cls_token", "dist_token", "mask_token"))
-        (no_decay if skip else decay).append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
 
 
 def lr_multiplier(step: int, warmup: int, total: int, schedule: str) -> float:

@@ -1,0 +1,42 @@
+"""Optimizer parameter groups: weight-decay exclusions and layer-wise learning-rate decay.
+
+groups = param_groups(model, weight_decay=0.05, layer_decay=0.75)   # each group has "lr_scale"
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+NO_DECAY_NAMES = ("pos_embed", "pos_embed_row", "pos_embed_col", "cls_token", "dist_token", "mask_token",
+                  "relative_position_bias_table")  # fmt: skip
+
+
+def layer_id(name: str, num_layers: int) -> int:
+    """0 for the embeddings, i + 1 for `blocks.i.*`, num_layers + 1 for the final norm and heads (BEiT, MAE)."""
+    if name.startswith(("patch_embed", "cls_token", "dist_token", "pos_embed", "mask_token")):
+        return 0
+    if name.startswith("blocks."):
+        return int(name.split(".")[1]) + 1
+    return num_layers + 1
+
+
+def no_weight_decay(name: str, param: nn.Parameter) -> bool:
+    """Norms, biases, position embeddings and tokens carry no weight decay."""
+    return param.ndim <= 1 or name.split(".")[-1] in NO_DECAY_NAMES
+
+
+def param_groups(model: nn.Module, weight_decay: float, layer_decay: float | None = None) -> list[dict]:
+    """Groups by (decay or not, layer); `lr_scale` = layer_decay ** (num_layers + 1 - layer_id)."""
+    num_layers = len(getattr(model, "blocks", ()))
+    groups: dict[tuple[bool, int], dict] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        decay = not no_weight_decay(name, p)
+        lid = layer_id(name, num_layers) if layer_decay is not None else 0
+        scale = layer_decay ** (num_layers + 1 - lid) if layer_decay is not None else 1.0
+        g = groups.setdefault(
+            (decay, lid), {"params": [], "weight_decay": weight_decay if decay else 0.0, "lr_scale": scale}
+        )
+        g["params"].append(p)
+    return list(groups.values())
