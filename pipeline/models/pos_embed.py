@@ -56,30 +56,41 @@ def resample_abs_pos_embed(
 class RelativePositionBias(nn.Module):
     """Learned bias per head for every relative (dy, dx) offset between patches (Swin, BEiT).
 
-    Prefix tokens (class, distillation) get a zero bias: they attend and are attended without position.
+    As in BEiT, three extra entries per head cover prefix tokens: prefix->patch, patch->prefix and
+    prefix->prefix, so a class token's attention is learned too.
     """
 
     def __init__(self, grid: tuple[int, int], num_heads: int, num_prefix_tokens: int):
         super().__init__()
         self.grid, self.num_prefix_tokens = tuple(grid), num_prefix_tokens
         h, w = grid
-        self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * h - 1) * (2 * w - 1), num_heads))
+        self.num_offsets = (2 * h - 1) * (2 * w - 1)
+        self.relative_position_bias_table = nn.Parameter(torch.zeros(self.num_offsets + 3, num_heads))
         nn.init.trunc_normal_(self.relative_position_bias_table, std=0.02)
-        self.register_buffer("relative_position_index", self._index(h, w), persistent=False)
+        self.register_buffer(
+            "relative_position_index", self._index(h, w, num_prefix_tokens), persistent=False
+        )
 
     @staticmethod
-    def _index(h: int, w: int) -> torch.Tensor:
+    def _index(h: int, w: int, prefix: int) -> torch.Tensor:
         coords = torch.stack(torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")).flatten(
             1
         )  # [2, N]
         rel = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0)  # [N, N, 2]
-        return (rel[..., 0] + h - 1) * (2 * w - 1) + (rel[..., 1] + w - 1)  # [N, N]
+        patch = (rel[..., 0] + h - 1) * (2 * w - 1) + (rel[..., 1] + w - 1)  # [N, N]
+        t = (2 * h - 1) * (2 * w - 1)
+        n = h * w
+        index = torch.empty(prefix + n, prefix + n, dtype=torch.long)
+        index[prefix:, prefix:] = patch
+        index[:prefix, prefix:] = t  # prefix query -> patch key
+        index[prefix:, :prefix] = t + 1  # patch query -> prefix key
+        index[:prefix, :prefix] = t + 2
+        return index
 
     def forward(self) -> torch.Tensor:
         n = self.relative_position_index.shape[0]
         bias = self.relative_position_bias_table[self.relative_position_index.reshape(-1)]
-        bias = bias.reshape(n, n, -1).permute(2, 0, 1)  # [H, N, N]
-        return F.pad(bias, (self.num_prefix_tokens, 0, self.num_prefix_tokens, 0))  # [H, P+N, P+N]
+        return bias.reshape(n, n, -1).permute(2, 0, 1)  # [H, P+N, P+N]
 
     def resample(self, new_grid: tuple[int, int]) -> None:
         """Bicubic resampling of the offset table for a new patch grid (BEiT's fine-tuning recipe)."""
@@ -87,8 +98,9 @@ class RelativePositionBias(nn.Module):
         nh, nw = new_grid
         table = self.relative_position_bias_table.data
         heads = table.shape[1]
-        t = table.T.reshape(1, heads, 2 * h - 1, 2 * w - 1)
+        t = table[: self.num_offsets].T.reshape(1, heads, 2 * h - 1, 2 * w - 1)
         t = F.interpolate(t, size=(2 * nh - 1, 2 * nw - 1), mode="bicubic", align_corners=False)
-        self.relative_position_bias_table = nn.Parameter(t.reshape(heads, -1).T.contiguous())
-        self.grid = (nh, nw)
-        self.relative_position_index = self._index(nh, nw).to(table.device)
+        t = torch.cat([t.reshape(heads, -1).T, table[self.num_offsets :]], dim=0)
+        self.relative_position_bias_table = nn.Parameter(t.contiguous())
+        self.grid, self.num_offsets = (nh, nw), (2 * nh - 1) * (2 * nw - 1)
+        self.relative_position_index = self._index(nh, nw, self.num_prefix_tokens).to(table.device)

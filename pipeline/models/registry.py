@@ -29,7 +29,8 @@ def create_model(name: str, **overrides) -> nn.Module:
     return _REGISTRY[name](**overrides)
 
 
-def _vit(patch_size: int, embed_dim: int, depth: int, num_heads: int, mlp_dim: int, **overrides):
+def _vit(patch_size: int, embed_dim: int, depth: int, num_heads: int, mlp_dim: int, /, **overrides):
+    # Positional-only shape, so an override may name any of them (create_model("vit_b16", depth=2)).
     kw = dict(patch_size=patch_size, embed_dim=embed_dim, depth=depth, num_heads=num_heads, mlp_dim=mlp_dim)
     return VisionTransformer(**{**kw, **overrides})
 
@@ -37,9 +38,7 @@ def _vit(patch_size: int, embed_dim: int, depth: int, num_heads: int, mlp_dim: i
 @register
 def vit_debug(**kw):
     """Tiny ViT for tests and smoke runs: 32px images, 8px patches, 4 blocks of width 64."""
-    return _vit(
-        **{"patch_size": 8, "embed_dim": 64, "depth": 4, "num_heads": 4, "mlp_dim": 128, "img_size": 32, **kw}
-    )
+    return _vit(8, 64, 4, 4, 128, **{"img_size": 32, **kw})
 
 
 @register

@@ -74,7 +74,9 @@ class VisionTransformer(nn.Module):
         elif pos_embed == "sincos2d":
             self.register_buffer("pos_embed_fixed", sincos_2d(*grid, embed_dim)[None], persistent=False)
 
-        dpr = [drop_path_rate * i / max(1, depth - 1) for i in range(depth)]  # stochastic depth grows with depth
+        dpr = [
+            drop_path_rate * i / max(1, depth - 1) for i in range(depth)
+        ]  # stochastic depth grows with depth
         rel_grid = grid if pos_embed == "relative" else None
         self.blocks = nn.ModuleList(
             Block(

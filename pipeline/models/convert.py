@@ -1,0 +1,90 @@
+"""Public checkpoints in and out: the state-dict layout timm, DeiT and MAE publish.
+
+    sd = torch.load("deit_base_distilled_patch16_224.pth")["model"]
+    load_timm_state_dict(model, sd)           # resamples pos_embed when the grid differs
+    torch.save(export_timm_state_dict(model), "vit.pth")
+
+Our parameter names already are that layout, so conversion is: drop what the target does not use
+(MAE's decoder, `mask_token`), resample position embeddings to the model's grid, and refuse with the
+full list of missing and unexpected keys instead of loading half a model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pipeline.models.pos_embed import resample_abs_pos_embed
+from pipeline.models.vit import VisionTransformer
+
+# Keys that published pretraining checkpoints carry and a plain ViT has no use for.
+_IGNORED_PREFIXES = ("decoder_", "mask_token")
+
+
+class CheckpointMismatch(KeyError):
+    def __init__(self, missing: list[str], unexpected: list[str], shape_errors: list[str]):
+        self.missing, self.unexpected, self.shape_errors = missing, unexpected, shape_errors
+        parts = []
+        if missing:
+            parts.append(f"missing keys ({len(missing)}): {', '.join(missing)}")
+        if unexpected:
+            parts.append(f"unexpected keys ({len(unexpected)}): {', '.join(unexpected)}")
+        if shape_errors:
+            parts.append(f"shape mismatches: {'; '.join(shape_errors)}")
+        super().__init__("state dict does not fit the model: " + " | ".join(parts))
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def _strip(state_dict: dict) -> dict[str, torch.Tensor]:
+    """Unwrap {'model': ...} / {'state_dict': ...} and DDP's `module.` prefix."""
+    for key in ("model", "state_dict"):
+        if key in state_dict and isinstance(state_dict[key], dict):
+            state_dict = state_dict[key]
+    return {k.removeprefix("module."): v for k, v in state_dict.items()}
+
+
+def load_timm_state_dict(
+    model: VisionTransformer, state_dict: dict, strict_head: bool = True
+) -> VisionTransformer:
+    """Load a timm/DeiT/MAE-layout state dict into `model`, resampling `pos_embed` to its grid.
+
+    strict_head=False drops `head.*` / `head_dist.*` of another class count (fine-tuning a new head).
+    """
+    sd = {k: v for k, v in _strip(state_dict).items() if not k.startswith(_IGNORED_PREFIXES)}
+    own = model.state_dict()
+    if "pos_embed" in sd and "pos_embed" in own and sd["pos_embed"].shape != own["pos_embed"].shape:
+        src = sd["pos_embed"]
+        n_src = src.shape[1] - model.num_prefix_tokens
+        side = int(round(n_src**0.5))
+        if side * side != n_src:
+            raise CheckpointMismatch(
+                [],
+                [],
+                [
+                    f"pos_embed {tuple(src.shape)} is not a square grid plus {model.num_prefix_tokens} prefix tokens"
+                ],
+            )
+        sd["pos_embed"] = resample_abs_pos_embed(src, model.grid_size, model.num_prefix_tokens, (side, side))
+    if not strict_head:
+        for k in [
+            k
+            for k in sd
+            if k.startswith(("head.", "head_dist.")) and k in own and sd[k].shape != own[k].shape
+        ]:
+            sd.pop(k)
+            sd[k] = own[k]  # keep the model's freshly initialised head
+    missing = sorted(set(own) - set(sd))
+    unexpected = sorted(set(sd) - set(own))
+    shapes = [f"{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}"
+              for k in sorted(set(sd) & set(own)) if sd[k].shape != own[k].shape]  # fmt: skip
+    if missing or unexpected or shapes:
+        raise CheckpointMismatch(missing, unexpected, shapes)
+    model.load_state_dict(sd)
+    return model
+
+
+def export_timm_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights in the timm layout (detached CPU copies), ready for `torch.save` or safetensors."""
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
