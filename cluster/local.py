@@ -40,7 +40,22 @@ def auth_env() -> dict[str, str]:
     return {**os.environ, "RAY_AUTH_MODE": "token"}
 
 
+def ensure_token() -> None:
+    """Token authentication needs a token before the head starts; make one for this user if none exists."""
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return
+    if (Path.home() / ".ray" / "auth_token").is_file():
+        return
+    proc = subprocess.run(
+        [_ray_bin(), "get-auth-token", "--generate"], env=auth_env(), capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"could not generate a Ray auth token: {proc.stderr.strip()}")
+    (Path.home() / ".ray" / "auth_token").chmod(0o600)  # a credential: readable by this user only
+
+
 def start_head(temp_dir: str, num_cpus: int = 4, include_dashboard: bool = True) -> LocalCluster:
+    ensure_token()
     port, dash = _free_port(), _free_port()
     cmd = [
         _ray_bin(), "start", "--head",

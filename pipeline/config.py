@@ -63,14 +63,44 @@ class DataConfig(_Section):
     min_scale: float = Field(0.35, gt=0.0, le=1.0, description="RandomResizedCrop lower area bound.")
 
 
-class ObjectiveConfig(_Section):
-    name: Literal["supervised_softmax", "supervised_sigmoid"] = Field(
-        "supervised_softmax", description="Training objective."
+class TeacherConfig(_Section):
+    model: str = Field(..., description="Registered teacher model name.")
+    weights: str = Field(..., description="Teacher weights: a .safetensors file exported by a stage.")
+    img_size: int | None = Field(None, gt=0, description="Teacher resolution; null means the student's.")
+    overrides: dict[str, Any] = Field(
+        default_factory=dict, description="create_model overrides for the teacher."
     )
-    label_smoothing: float = Field(0.0, ge=0.0, lt=1.0, description="Label smoothing (softmax only).")
+
+
+class ObjectiveConfig(_Section):
+    name: Literal["supervised_softmax", "supervised_sigmoid", "mae", "masked_patch_prediction", "distill"] = (
+        Field("supervised_softmax", description="Training objective.")
+    )
+    label_smoothing: float = Field(0.0, ge=0.0, lt=1.0, description="Label smoothing (softmax and distill).")
     head_bias_init: float | None = Field(
         None, description="Classifier bias init; null means 0 for softmax and -10 for sigmoid (big_vision)."
     )
+    mixup_alpha: float = Field(
+        0.0, ge=0.0, description="Mixup Beta(alpha, alpha); 0 disables (softmax only)."
+    )
+    cutmix_alpha: float = Field(
+        0.0, ge=0.0, description="CutMix Beta(alpha, alpha); 0 disables (softmax only)."
+    )
+    mixup_switch_prob: float = Field(
+        0.5, ge=0.0, le=1.0, description="With both on, chance of CutMix per batch."
+    )
+    teacher: TeacherConfig | None = Field(None, description="Distillation teacher (objective distill).")
+    distill_type: Literal["hard", "soft"] = Field(
+        "hard", description="DeiT hard (teacher argmax) or soft (KL)."
+    )
+    distill_alpha: float = Field(0.5, ge=0.0, le=1.0, description="Weight of the distillation term.")
+    distill_tau: float = Field(1.0, gt=0.0, description="Soft distillation temperature.")
+
+    @model_validator(mode="after")
+    def _check(self) -> ObjectiveConfig:
+        if self.name == "distill" and self.teacher is None:
+            raise ValueError("objective.teacher is required for objective.name: distill")
+        return self
 
 
 class OptimConfig(_Section):
@@ -82,6 +112,9 @@ class OptimConfig(_Section):
     warmup_steps: int = Field(5, ge=0, description="Linear warmup steps.")
     schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
     grad_clip: float = Field(1.0, ge=0.0, description="Global gradient-norm clip; 0 disables.")
+    layer_decay: float | None = Field(
+        None, gt=0.0, le=1.0, description="Layer-wise lr decay (fine-tuning, e.g. 0.75); null disables."
+    )
 
 
 class DeepSpeedConfig(_Section):
@@ -90,6 +123,9 @@ class DeepSpeedConfig(_Section):
     grad_accum: int = Field(1, gt=0, description="Gradient accumulation steps.")
     offload_optimizer: bool = Field(False, description="ZeRO CPU offload of the optimizer state.")
     offload_params: bool = Field(False, description="ZeRO-3 CPU offload of the parameters.")
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each block's activations in backward."
+    )
 
 
 class ClusterConfig(_Section):
@@ -114,11 +150,29 @@ class TrackingConfig(_Section):
     )
     experiment: str | None = Field(None, description="MLflow experiment name; null means the config's name.")
     log_every: int = Field(1, gt=0, description="Log metrics every N steps.")
+    peak_tflops: float = Field(
+        989.0, gt=0.0, description="Per-device peak for MFU (H100/H200 dense bf16: 989)."
+    )
+    system_metrics: bool = Field(True, description="Log CPU, memory (and GPU) use with MLflow's sampler.")
 
 
 class CheckpointConfig(_Section):
     every_steps: int = Field(0, ge=0, description="Save every N steps; 0 saves only at the end.")
     keep_last: int = Field(2, gt=0, description="Checkpoints kept on disk.")
+    export: bool = Field(True, description="Export consolidated fp32 weights (safetensors) at the end.")
+
+
+class DebugConfig(_Section):
+    stop_at_step: int | None = Field(
+        None, gt=0, description="Checkpoint and stop after this step (resume tests)."
+    )
+    kill_rank: int | None = Field(
+        None, ge=0, description="Rank whose process is killed (fault-injection tests)."
+    )
+    kill_at_step: int | None = Field(
+        None, gt=0, description="Step at which kill_rank dies (once per run dir)."
+    )
+    resume_optimizer: bool = Field(True, description="False resumes weights only (a negative control).")
 
 
 class ExperimentConfig(_Section):
@@ -135,6 +189,7 @@ class ExperimentConfig(_Section):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    debug: DebugConfig = Field(default_factory=DebugConfig)
 
     @model_validator(mode="after")
     def _check(self) -> ExperimentConfig:
@@ -226,8 +281,35 @@ def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> 
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
+    raw = _with_bases(raw, path, seen=(path.resolve(),))
     raw = apply_overrides(raw, list(overrides or []))
     return validate_config(raw, source=str(path))
+
+
+def _deep_merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _with_bases(raw: dict, path: Path, seen: tuple[Path, ...]) -> dict:
+    """`base: [a.yaml, ...]` (paths relative to this file) are merged under this file's own values."""
+    bases = raw.pop("base", []) or []
+    if isinstance(bases, str):
+        bases = [bases]
+    merged: dict = {}
+    for b in bases:
+        bpath = (path.parent / b).resolve()
+        if not bpath.is_file():
+            raise ConfigError(f"{path}: base {b!r} not found (looked for {bpath})")
+        if bpath in seen:
+            raise ConfigError(f"{path}: base {b!r} includes itself")
+        braw = yaml.safe_load(bpath.read_text()) or {}
+        if not isinstance(braw, dict):
+            raise ConfigError(f"{bpath}: expected a mapping at the top level")
+        merged = _deep_merge(merged, _with_bases(braw, bpath, (*seen, bpath)))
+    return _deep_merge(merged, raw)
 
 
 def validate_config(raw: dict, source: str = "<config>") -> ExperimentConfig:

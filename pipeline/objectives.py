@@ -1,43 +1,82 @@
 """Objectives: what turns (model, batch) into a loss. The training loop knows nothing else.
 
-Each objective has `loss(model, batch) -> (loss, metrics)`; `metrics` holds detached scalars
-that the loop logs at its log steps (no host sync inside the step).
+Every objective offers
+    model_kwargs(num_classes) -> dict      extra `create_model` arguments (head size, bias, tokens)
+    prepare(model, device)                 one-time set-up after the model exists (teacher, flags)
+    loss(model, batch) -> (loss, metrics)  `metrics` holds detached scalars, read only at log steps
+
+Batches arrive as uint8 images; normalisation happens here, on the training device. Randomness
+(masks, mixup) comes from `batch["seed"]`, which the loop derives from (seed, step, micro-step,
+rank): the same step draws the same mask after a resume.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pipeline.config import ObjectiveConfig
-from pipeline.data.transforms import normalize
+from pipeline.data.transforms import mixup_cutmix, normalize
 
 
 class Objective(Protocol):
     name: str
 
+    def model_kwargs(self, num_classes: int) -> dict: ...
+
+    def prepare(self, model: nn.Module, device: torch.device) -> None: ...
+
     def loss(self, model: nn.Module, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
 
+def _generator(batch: dict, device: torch.device) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(int(batch["seed"]))
+
+
+def _soft_targets(target: torch.Tensor, num_classes: int, smoothing: float) -> torch.Tensor:
+    """Class indices or multi-hot -> a distribution over classes, with label smoothing."""
+    if target.ndim == 1:
+        dist = F.one_hot(target, num_classes).float()
+    else:  # multi-hot -> uniform over the image's labels (big_vision's softmax on multi-label data)
+        dist = target.float() / target.float().sum(dim=1, keepdim=True).clamp_min(1.0)
+    return dist * (1 - smoothing) + smoothing / num_classes
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return getattr(model, "module", model)  # the DeepSpeed engine wraps the model
+
+
 class SupervisedSoftmax:
-    """Softmax cross-entropy; multi-hot targets become normalised soft targets (big_vision)."""
+    """Softmax cross-entropy with label smoothing and optional Mixup/CutMix."""
 
     name = "supervised_softmax"
-    head_bias_init = 0.0
 
-    def __init__(self, label_smoothing: float = 0.0):
-        self.label_smoothing = label_smoothing
+    def __init__(self, cfg: ObjectiveConfig):
+        self.cfg = cfg
+
+    def model_kwargs(self, num_classes: int) -> dict:
+        bias = self.cfg.head_bias_init if self.cfg.head_bias_init is not None else 0.0
+        return {"num_classes": num_classes, "head_bias_init": bias}
+
+    def prepare(self, model, device) -> None:
+        pass
+
+    def _inputs(self, model, batch):
+        images = normalize(batch["image"])
+        target = _soft_targets(batch["target"], _unwrap(model).num_classes, self.cfg.label_smoothing)
+        rng = np.random.default_rng(int(batch["seed"]))
+        c = self.cfg
+        return mixup_cutmix(images, target, rng, c.mixup_alpha, c.cutmix_alpha, c.mixup_switch_prob)
 
     def loss(self, model, batch):
-        logits = model(normalize(batch["image"]))  # [B, C]
-        target = batch["target"]
-        if target.ndim == 2:  # multi-hot -> distribution over the image's labels
-            target = target / target.sum(dim=1, keepdim=True).clamp_min(1.0)
-        loss = F.cross_entropy(logits, target, label_smoothing=self.label_smoothing)
-        hard = target.argmax(1) if target.ndim == 2 else target
+        images, target = self._inputs(model, batch)
+        logits = model(images)  # [B, K]
+        loss = torch.sum(-target * F.log_softmax(logits.float(), dim=-1), dim=-1).mean()
+        hard = batch["target"].argmax(1) if batch["target"].ndim == 2 else batch["target"]
         return loss, {"accuracy": (logits.argmax(1) == hard).float().mean().detach()}
 
 
@@ -45,34 +84,144 @@ class SupervisedSigmoid:
     """Per-class sigmoid cross-entropy summed over classes, mean over the batch (JFT, big_vision)."""
 
     name = "supervised_sigmoid"
-    head_bias_init = -10.0
+
+    def __init__(self, cfg: ObjectiveConfig):
+        self.cfg = cfg
+
+    def model_kwargs(self, num_classes: int) -> dict:
+        # Bias -10: every class starts near probability 0, as on ImageNet-21k / JFT in big_vision.
+        bias = self.cfg.head_bias_init if self.cfg.head_bias_init is not None else -10.0
+        return {"num_classes": num_classes, "head_bias_init": bias}
+
+    def prepare(self, model, device) -> None:
+        pass
 
     def loss(self, model, batch):
-        logits = model(normalize(batch["image"]))  # [B, C]
+        logits = model(normalize(batch["image"])).float()  # [B, K]
         target = batch["target"]
         if target.ndim == 1:
-            target = F.one_hot(target, logits.shape[1]).to(logits.dtype)
-        loss = (
-            F.binary_cross_entropy_with_logits(logits, target.to(logits.dtype), reduction="none")
-            .sum(1)
-            .mean()
-        )
+            target = F.one_hot(target, logits.shape[1])
+        target = target.to(logits.dtype)
+        loss = F.binary_cross_entropy_with_logits(logits, target, reduction="none").sum(1).mean()
         top1 = target.gather(1, logits.argmax(1, keepdim=True)).mean()
         return loss, {"precision_at_1": top1.detach()}
 
 
+class MaskedAutoencoder:
+    """MAE: reconstruct the pixels of the masked patches from the visible ones."""
+
+    name = "mae"
+
+    def __init__(self, cfg: ObjectiveConfig):
+        self.cfg = cfg
+
+    def model_kwargs(self, num_classes: int) -> dict:
+        return {}
+
+    def prepare(self, model, device) -> None:
+        pass
+
+    def loss(self, model, batch):
+        images = normalize(batch["image"])
+        loss, _, mask = model(images, generator=_generator(batch, images.device))
+        return loss, {"mask_ratio": mask.float().mean().detach()}
+
+
+class MaskedPatchPrediction:
+    """The ViT paper's self-supervision: predict the 3-bit mean colour of corrupted patches."""
+
+    name = "masked_patch_prediction"
+
+    def __init__(self, cfg: ObjectiveConfig):
+        self.cfg = cfg
+
+    def model_kwargs(self, num_classes: int) -> dict:
+        return {}
+
+    def prepare(self, model, device) -> None:
+        pass
+
+    def loss(self, model, batch):
+        from pipeline.models.masked_patch import mean_colour_classes
+
+        images = normalize(batch["image"])
+        targets = mean_colour_classes(batch["image"], _unwrap(model).patch_size)  # [B, N]
+        loss, logits, corrupted = model(images, targets, generator=_generator(batch, images.device))
+        acc = (logits.argmax(-1) == targets)[corrupted].float().mean()
+        return loss, {"patch_accuracy": acc.detach()}
+
+
+class Distillation:
+    """DeiT: the class token learns the labels, the distillation token the teacher (hard or soft)."""
+
+    name = "distill"
+
+    def __init__(self, cfg: ObjectiveConfig):
+        self.cfg = cfg
+        self.teacher: nn.Module | None = None
+        self.teacher_size: int | None = None
+
+    def model_kwargs(self, num_classes: int) -> dict:
+        return {"num_classes": num_classes, "distilled": True}
+
+    def prepare(self, model, device) -> None:
+        from safetensors.torch import load_file
+
+        from pipeline.models import create_model
+
+        t = self.cfg.teacher
+        _unwrap(model).distilled_training = True  # the student returns (class, distillation) logits
+        kwargs = {"num_classes": _unwrap(model).num_classes, **t.overrides}
+        if t.img_size:
+            kwargs["img_size"] = t.img_size
+        teacher = create_model(t.model, **kwargs)
+        try:
+            teacher.load_state_dict(load_file(t.weights))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"objective.teacher.weights: {t.weights} does not exist") from None
+        except RuntimeError as exc:
+            raise ValueError(
+                f"objective.teacher.weights: {t.weights} does not fit {t.model}: {exc}"
+            ) from None
+        self.teacher = teacher.to(device).eval().requires_grad_(False)
+        self.teacher_size = t.img_size
+
+    def loss(self, model, batch):
+        images = normalize(batch["image"])
+        num_classes = _unwrap(model).num_classes
+        target = _soft_targets(batch["target"], num_classes, self.cfg.label_smoothing)
+        cls_logits, dist_logits = model(images)
+        base = torch.sum(-target * F.log_softmax(cls_logits.float(), dim=-1), dim=-1).mean()
+        with torch.no_grad():
+            t_in = (
+                images
+                if not self.teacher_size
+                else F.interpolate(images, size=self.teacher_size, mode="bicubic")
+            )
+            t_logits = self.teacher(t_in).float()
+        if self.cfg.distill_type == "hard":
+            dist = F.cross_entropy(dist_logits.float(), t_logits.argmax(-1))
+        else:
+            tau = self.cfg.distill_tau
+            dist = F.kl_div(
+                F.log_softmax(dist_logits.float() / tau, -1), F.log_softmax(t_logits / tau, -1),
+                reduction="batchmean", log_target=True,
+            ) * tau * tau  # fmt: skip
+        alpha = self.cfg.distill_alpha
+        loss = (1 - alpha) * base + alpha * dist
+        agree = (dist_logits.argmax(-1) == t_logits.argmax(-1)).float().mean()
+        return loss, {
+            "teacher_agreement": agree.detach(),
+            "loss_base": base.detach(),
+            "loss_distill": dist.detach(),
+        }
+
+
+OBJECTIVES = {
+    c.name: c
+    for c in (SupervisedSoftmax, SupervisedSigmoid, MaskedAutoencoder, MaskedPatchPrediction, Distillation)
+}
+
+
 def build_objective(cfg: ObjectiveConfig) -> Objective:
-    if cfg.name == "supervised_softmax":
-        return SupervisedSoftmax(cfg.label_smoothing)
-    if cfg.name == "supervised_sigmoid":
-        return SupervisedSigmoid()
-    raise ValueError(f"objective.name: unknown objective {cfg.name!r}")
-
-
-def head_bias_init(cfg: ObjectiveConfig) -> float:
-    """The configured classifier bias, else the objective's conventional one."""
-    if cfg.head_bias_init is not None:
-        return cfg.head_bias_init
-    return {"supervised_softmax": SupervisedSoftmax, "supervised_sigmoid": SupervisedSigmoid}[
-        cfg.name
-    ].head_bias_init
+    return OBJECTIVES[cfg.name](cfg)

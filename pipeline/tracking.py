@@ -1,6 +1,8 @@
 """The one metric writer: MLflow on rank 0, a no-op on every other rank.
 
-Every rank constructing its own MLflow run would make one run per GPU (mlflow issue 11782).
+Every rank constructing its own MLflow run would make one run per GPU (mlflow issue 11782). A
+resumed stage continues its MLflow run (`run_id`), and steps already logged before the restart are
+not logged again, so no (metric, step) pair is written twice.
 """
 
 from __future__ import annotations
@@ -17,46 +19,71 @@ class Tracker:
     """`with Tracker(...) as t: t.log_metrics({...}, step=n)`; marks the run FAILED on an exception."""
 
     def __init__(
-        self, uri: str, experiment: str, run_name: str, enabled: bool, tags: Mapping[str, str] | None = None
+        self,
+        uri: str,
+        experiment: str,
+        run_name: str,
+        enabled: bool,
+        tags: Mapping[str, str] | None = None,
+        run_id: str | None = None,
+        parent_run_id: str | None = None,
+        system_metrics: bool = False,
     ):
         self.enabled = enabled
         self.run_id: str | None = None
+        self.last_logged_step = 0
+        self.status = "FINISHED"
         if not enabled:
             return
         import mlflow
 
         self._mlflow = mlflow
         mlflow.set_tracking_uri(uri)
-        mlflow.set_experiment(experiment)
-        run = mlflow.start_run(run_name=run_name, tags=dict(tags or {}))
+        exp = mlflow.set_experiment(experiment)
+        all_tags = dict(tags or {})
+        if parent_run_id:
+            all_tags["mlflow.parentRunId"] = parent_run_id
+        if run_id is None:
+            run = mlflow.start_run(run_name=run_name, tags=all_tags, experiment_id=exp.experiment_id,
+                                   log_system_metrics=system_metrics)  # fmt: skip
+        else:
+            run = mlflow.start_run(run_id=run_id, log_system_metrics=system_metrics)
+            history = mlflow.MlflowClient().get_metric_history(run_id, "train/loss")
+            self.last_logged_step = max((m.step for m in history), default=0)
         self.run_id = run.info.run_id
         log.info("MLflow run %s in experiment %r at %s", self.run_id, experiment, uri)
 
+    @property
+    def resumed(self) -> bool:
+        return self.last_logged_step > 0
+
     def log_params(self, params: Mapping[str, object]) -> None:
         if self.enabled:
-            clean = {k: str(v)[:MAX_PARAM_LEN] for k, v in params.items()}
-            items = list(clean.items())
-            for i in range(0, len(items), 100):  # MLflow accepts at most 100 params per batch
+            items = [(k, str(v)[:MAX_PARAM_LEN]) for k, v in params.items()]
+            for i in range(0, len(items), 100):  # MLflow accepts at most 100 params per call
                 self._mlflow.log_params(dict(items[i : i + 100]))
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        if self.enabled:
+        if self.enabled and step > self.last_logged_step:
             self._mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
         if self.enabled:
             self._mlflow.set_tags(dict(tags))
 
-    def log_artifact(self, path: str) -> None:
+    def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
         if self.enabled:
-            self._mlflow.log_artifact(path)
+            self._mlflow.log_artifact(path, artifact_path)
 
-    def close(self, status: str = "FINISHED") -> None:
+    def close(self, status: str | None = None) -> None:
         if self.enabled and self._mlflow.active_run() is not None:
-            self._mlflow.end_run(status=status)
+            self._mlflow.end_run(status=status or self.status)
 
     def __enter__(self) -> Tracker:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.close("FAILED" if exc_type is not None else "FINISHED")
+        if exc_type is not None and not issubclass(exc_type, SystemExit):
+            self.close("FAILED")
+        else:
+            self.close()

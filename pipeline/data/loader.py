@@ -1,9 +1,16 @@
 """Shards -> uint8 batches, split disjointly per rank and per loader worker.
 
 The stream is endless: epoch e reads every shard once across all (rank, worker) pairs in an
-order drawn from (seed, e), and the in-worker shuffle draws from (seed, e, rank, worker), so the
-same seed gives the same batches. Training is step-driven, so every rank runs the same number of
-steps and uneven shards can never leave one rank waiting in a collective.
+order drawn from (seed, e), the in-worker shuffle draws from (seed, e, rank, worker) and each
+sample's augmentation from (seed, e, rank, worker, i), so the same seed gives the same batches.
+Training is step-driven, so every rank runs the same number of steps and uneven shards can never
+leave one rank waiting in a collective.
+
+Resume guarantee: `start_batch=M` continues the rank's stream exactly where batch M-1 ended. The
+DataLoader takes batches from its workers round-robin, so worker w has produced ceil((M - w) / W)
+of the first M batches; it skips that many batches' worth of samples without decoding them (the
+shuffle is replayed, the augmentation RNG is per sample). Samples that fail to decode are skipped,
+so after corrupt data the position can be off by the number of corrupt samples in the skipped part.
 """
 
 from __future__ import annotations
@@ -81,6 +88,7 @@ class ShardStream(IterableDataset):
         shuffle_buffer: int = 256,
         min_scale: float = 0.08,
         train: bool = True,
+        start_batch: int = 0,
     ):
         slots = world_size * max(1, num_workers)
         if len(info.urls) < slots:
@@ -92,6 +100,12 @@ class ShardStream(IterableDataset):
         self.rank, self.world_size = rank, world_size
         self.batch_size, self.img_size = batch_size, img_size
         self.seed, self.shuffle_buffer, self.min_scale, self.train = seed, shuffle_buffer, min_scale, train
+        self.start_batch = start_batch
+
+    @staticmethod
+    def batches_done_by_worker(start_batch: int, worker: int, num_workers: int) -> int:
+        """Of the rank's first `start_batch` batches, how many came from `worker` (round-robin)."""
+        return max(0, (start_batch - worker + num_workers - 1) // num_workers)
 
     def shards_for(self, epoch: int, worker: int, num_workers: int) -> list[str]:
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self.info.urls))
@@ -128,13 +142,22 @@ class ShardStream(IterableDataset):
             return True
 
         images, targets = [], []
+        to_skip = self.batches_done_by_worker(self.start_batch, worker, num_workers) * self.batch_size
         epoch = 0
         while True:
-            rng = np.random.default_rng([self.seed, epoch, self.rank, worker])
+            shuffle_rng = np.random.default_rng([self.seed, epoch, self.rank, worker])
             urls = [{"url": u} for u in self.shards_for(epoch, worker, num_workers)]
-            for sample in _shuffle(tarfile_samples(iter(urls), handler=on_read_error), self.shuffle_buffer, rng):
+            samples = _shuffle(
+                tarfile_samples(iter(urls), handler=on_read_error), self.shuffle_buffer, shuffle_rng
+            )
+            for i, sample in enumerate(samples):
+                if to_skip:  # resuming: these were consumed before the checkpoint
+                    to_skip -= 1
+                    continue
                 try:
-                    image, target = self._decode(sample, rng)
+                    image, target = self._decode(
+                        sample, np.random.default_rng([self.seed, epoch, self.rank, worker, i])
+                    )
                 except Exception as exc:  # a corrupt sample is skipped and counted, never fatal here
                     skipped += 1
                     log.warning("skipping %s in %s: %s", sample.get("__key__"), sample.get("__url__"), exc)
@@ -158,6 +181,7 @@ def make_train_loader(
     num_workers: int,
     shuffle_buffer: int,
     min_scale: float,
+    start_batch: int = 0,
 ) -> tuple[DataLoader, DatasetInfo]:
     info = dataset_info(root, "train")
     stream = ShardStream(
@@ -170,6 +194,7 @@ def make_train_loader(
         num_workers=num_workers,
         shuffle_buffer=shuffle_buffer,
         min_scale=min_scale,
+        start_batch=start_batch,
     )
     loader = DataLoader(
         stream,
@@ -178,5 +203,8 @@ def make_train_loader(
         persistent_workers=num_workers > 0,
         prefetch_factor=4 if num_workers > 0 else None,
         pin_memory=torch.cuda.is_available(),
+        # Its own generator: drawing worker seeds from the global RNG would shift the model's random
+        # stream (stochastic depth) by one draw on resume, and break exactness.
+        generator=torch.Generator().manual_seed(seed),
     )
     return loader, info

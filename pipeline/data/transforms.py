@@ -43,7 +43,9 @@ def random_resized_crop_box(
     return left, top, left + w, top + h
 
 
-def train_transform(img: Image.Image, size: int, rng: np.random.Generator, min_scale: float = 0.08) -> np.ndarray:
+def train_transform(
+    img: Image.Image, size: int, rng: np.random.Generator, min_scale: float = 0.08
+) -> np.ndarray:
     """RandomResizedCrop + horizontal flip -> uint8 [3, size, size]."""
     img = img.convert("RGB")
     box = random_resized_crop_box(img.width, img.height, rng, scale=(min_scale, 1.0))
@@ -59,7 +61,9 @@ def eval_transform(img: Image.Image, size: int, crop_fraction: float = 0.875) ->
     img = img.convert("RGB")
     short = round(size / crop_fraction)
     scale = short / min(img.width, img.height)
-    img = img.resize((max(size, round(img.width * scale)), max(size, round(img.height * scale))), Image.BILINEAR)
+    img = img.resize(
+        (max(size, round(img.width * scale)), max(size, round(img.height * scale))), Image.BILINEAR
+    )
     left, top = (img.width - size) // 2, (img.height - size) // 2
     arr = np.asarray(img.crop((left, top, left + size, top + size)))
     return np.ascontiguousarray(arr.transpose(2, 0, 1))
@@ -70,3 +74,36 @@ def normalize(images: torch.Tensor, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> tor
     m = torch.tensor(mean, device=images.device).view(1, 3, 1, 1) * 255
     s = torch.tensor(std, device=images.device).view(1, 3, 1, 1) * 255
     return (images.float() - m) / s
+
+
+def mixup_cutmix(
+    images: torch.Tensor,
+    targets: torch.Tensor,
+    rng: np.random.Generator,
+    mixup_alpha: float = 0.0,
+    cutmix_alpha: float = 0.0,
+    switch_prob: float = 0.5,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch-level Mixup or CutMix (timm's recipe): each sample is mixed with the batch reversed.
+
+    images [B, C, H, W] float, targets [B, K] probabilities; every random draw comes from `rng`.
+    """
+    if mixup_alpha <= 0 and cutmix_alpha <= 0:
+        return images, targets
+    use_cutmix = cutmix_alpha > 0 and (mixup_alpha <= 0 or rng.random() < switch_prob)
+    alpha = cutmix_alpha if use_cutmix else mixup_alpha
+    lam = float(rng.beta(alpha, alpha))
+    flipped = images.flip(0)
+    if use_cutmix:
+        h, w = images.shape[-2:]
+        cut = (1 - lam) ** 0.5
+        ch, cw = int(h * cut), int(w * cut)
+        cy, cx = int(rng.integers(h)), int(rng.integers(w))
+        y0, y1 = max(cy - ch // 2, 0), min(cy + ch // 2, h)
+        x0, x1 = max(cx - cw // 2, 0), min(cx + cw // 2, w)
+        images = images.clone()
+        images[..., y0:y1, x0:x1] = flipped[..., y0:y1, x0:x1]
+        lam = 1 - (y1 - y0) * (x1 - x0) / (h * w)  # the area actually pasted
+    else:
+        images = images * lam + flipped * (1 - lam)
+    return images, targets * lam + targets.flip(0) * (1 - lam)

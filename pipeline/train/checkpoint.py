@@ -1,45 +1,173 @@
-"""DeepSpeed checkpoints: every rank saves into one tag folder, rank 0 prunes old tags.
+"""Checkpoints that survive restarts: every rank saves, `latest` moves only once all have finished.
 
-ckpt_dir/step_00000040/   mp_rank_00_model_states.pt, zero_pp_rank_{r}_mp_rank_00_optim_states.pt, ...
-ckpt_dir/latest           the newest complete tag (written by DeepSpeed after its barrier)
+    ckpt_dir/step_00000040/   DeepSpeed's files (mp_rank_00_model_states.pt, zero_pp_rank_R_*...)
+                              rank_R.pt        this rank's RNG states and data-stream position
+                              COMPLETE.json    written by rank 0 after every rank's files are on disk:
+                                               the file list with sizes, and the sha256 of each
+    ckpt_dir/latest           the newest complete tag, replaced atomically (write tmp, rename)
+
+Resume walks the tags newest first and takes the first one that is complete and whose files match
+COMPLETE.json; a newest checkpoint cut short or corrupted is skipped with a warning. All ranks agree
+on the choice through an all-reduce, so no rank loads a different step than another.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
+import random
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
+
+COMPLETE = "COMPLETE.json"
+LATEST = "latest"
 
 
 def tag_for(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def save(engine, ckpt_dir: Path, step: int, keep_last: int, is_main: bool) -> Path:
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def rng_state() -> dict:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@dataclass
+class Restored:
+    step: int
+    tag: str
+    extra: dict  # this rank's saved extra state (data-stream position, ...)
+
+
+def save(engine, ckpt_dir: Path, step: int, keep_last: int, rank: int, extra: dict | None = None) -> Path:
     """Collective: every rank must call it (rank-0-only saving hangs, DeepSpeed issue 2993)."""
     tag = tag_for(step)
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step})
-    dist.barrier()  # every rank's files are on disk before anything is pruned
-    if is_main:
+    tag_dir = ckpt_dir / tag
+    if rank == 0 and tag_dir.exists():
+        shutil.rmtree(tag_dir)  # a leftover of a run killed mid-save: never mix old and new files
+    dist.barrier()
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, save_latest=False)
+    torch.save({"rng": rng_state(), "extra": extra or {}}, tag_dir / f"rank_{rank}.pt")
+    dist.barrier()  # every rank's files are on disk
+    if rank == 0:
+        files = sorted(p for p in tag_dir.iterdir() if p.is_file() and p.name != COMPLETE)
+        record = {"step": step, "world_size": dist.get_world_size(),
+                  "files": {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}}  # fmt: skip
+        _atomic_write(tag_dir / COMPLETE, json.dumps(record, indent=1))
+        _atomic_write(ckpt_dir / LATEST, tag)
         tags = sorted(p for p in ckpt_dir.glob("step_*") if p.is_dir())
         for old in tags[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
-    return ckpt_dir / tag
+    return tag_dir
 
 
-def resume(engine, ckpt_dir: Path) -> int:
-    """Load the newest checkpoint if there is one; returns the step to continue from (0 if none)."""
-    if not (ckpt_dir / "latest").is_file():
-        return 0
-    path, client_state = engine.load_checkpoint(str(ckpt_dir))
-    if path is None:
-        raise RuntimeError(
-            f"{ckpt_dir}: `latest` names {(ckpt_dir / 'latest').read_text()!r} but it did not load"
+def verify(tag_dir: Path, rank: int, world_size: int) -> str | None:
+    """Why this checkpoint cannot be loaded by `rank`, or None if it can."""
+    record_path = tag_dir / COMPLETE
+    if not record_path.is_file():
+        return "no COMPLETE.json (the save was cut short)"
+    try:
+        record = json.loads(record_path.read_text())
+    except json.JSONDecodeError:
+        return "COMPLETE.json is not valid JSON"
+    if record["world_size"] != world_size:
+        return (
+            f"saved by {record['world_size']} ranks, this run has {world_size} (needs a universal checkpoint)"
         )
-    log.info("resumed from %s", path)
-    return int(client_state["step"])
+    for name, meta in record["files"].items():
+        path = tag_dir / name
+        if not path.is_file() or path.stat().st_size != meta["bytes"]:
+            return f"{name} is missing or has the wrong size"
+    # Each rank hashes the files it will read: its own ZeRO shard, its own state and the model states.
+    mine = [
+        n
+        for n in record["files"]
+        if f"rank_{rank}_" in n or n == f"rank_{rank}.pt" or n.startswith("mp_rank_")
+    ]
+    for name in mine:
+        if _sha256(tag_dir / name) != record["files"][name]["sha256"]:
+            return f"{name} does not match its sha256 (corrupted)"
+    return None
+
+
+def all_agree(ok: bool, group=None) -> bool:
+    """True on every rank iff `ok` on every rank (a CPU all-reduce over the control group)."""
+    flag = torch.tensor([1 if ok else 0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def resume(engine, ckpt_dir: Path, rank: int, world_size: int, group=None,
+           load_optimizer: bool = True) -> Restored | None:  # fmt: skip
+    """Load the newest complete checkpoint, falling back past broken ones; None if there is none."""
+    if not ckpt_dir.is_dir():
+        return None
+    tags = sorted((p for p in ckpt_dir.glob("step_*") if p.is_dir()), reverse=True)
+    for tag_dir in tags:
+        problem = verify(tag_dir, rank, world_size)
+        if not all_agree(problem is None, group):
+            if rank == 0 or problem:
+                log.warning(
+                    "rank %d: skipping checkpoint %s: %s",
+                    rank,
+                    tag_dir,
+                    problem or "another rank found it broken",
+                )
+            continue
+        try:
+            path, client_state = engine.load_checkpoint(
+                str(ckpt_dir), tag=tag_dir.name,
+                load_optimizer_states=load_optimizer, load_lr_scheduler_states=load_optimizer,
+            )  # fmt: skip
+            own = torch.load(tag_dir / f"rank_{rank}.pt", weights_only=False)
+            loaded = path is not None
+        except Exception as exc:  # a file that hashes right but does not load: treat as broken
+            log.warning("rank %d: checkpoint %s failed to load: %s", rank, tag_dir, exc)
+            loaded = False
+        if not all_agree(loaded, group):
+            continue
+        set_rng_state(own["rng"])
+        if rank == 0:
+            log.info("resumed from %s", tag_dir)
+        return Restored(int(client_state["step"]), tag_dir.name, own["extra"])
+    if tags:
+        raise RuntimeError(
+            f"{ckpt_dir}: none of {len(tags)} checkpoints could be loaded; see the warnings above"
+        )
+    return None

@@ -24,6 +24,9 @@ class DistContext:
     world_size: int
     local_rank: int
     device: torch.device
+    # A gloo group for control flags (stop requests, checkpoint agreement): a CPU all-reduce that
+    # never synchronises the GPU stream, whatever backend the training collectives use.
+    control_group: object = None
 
     @property
     def is_main(self) -> bool:
@@ -53,7 +56,8 @@ def init_distributed(use_gpu: bool) -> DistContext:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    return DistContext(rank, world, local_rank, device)
+    control = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+    return DistContext(rank, world, local_rank, device, control)
 
 
 def scaled_lr(cfg: ExperimentConfig, world_size: int) -> float:
@@ -83,8 +87,11 @@ def deepspeed_config(cfg: ExperimentConfig, world_size: int, use_gpu: bool) -> d
                 "lr": scaled_lr(cfg, world_size),
                 "betas": list(cfg.optim.betas),
                 "weight_decay": cfg.optim.weight_decay,
-                "torch_adam": not use_gpu,
+                # torch's AdamW everywhere: DeepSpeed's FusedAdam needs a CUDA op build; torch's own
+                # fused kernel (fused=True) is as fast on GPU and needs nothing built.
+                "torch_adam": True,
                 "adam_w_mode": True,
+                **({"fused": True} if use_gpu else {}),
             },
         },
         "steps_per_print": 2**31 - 1,  # our loop prints progress; keep DeepSpeed quiet
@@ -107,6 +114,13 @@ def build_engine(model: nn.Module, cfg: ExperimentConfig, ctx: DistContext):
     use_gpu = ctx.device.type == "cuda"
     o = cfg.optim
 
+    if cfg.deepspeed.activation_checkpointing and hasattr(model, "grad_checkpointing"):
+        model.grad_checkpointing = True
+    groups = param_groups(model, o.weight_decay, o.layer_decay)
+    base_lr = scaled_lr(cfg, ctx.world_size)
+    for g in groups:
+        g["lr"] = base_lr * g.pop("lr_scale")  # layer-wise decay: the scheduler scales each group's own lr
+
     def scheduler(optimizer):
         return torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: lr_multiplier(s, o.warmup_steps, o.steps, o.schedule)
@@ -114,9 +128,29 @@ def build_engine(model: nn.Module, cfg: ExperimentConfig, ctx: DistContext):
 
     engine, optimizer, _, lr_scheduler = deepspeed.initialize(
         model=model.to(ctx.device),
-        model_parameters=param_groups(model, o.weight_decay),
+        model_parameters=groups,
         config=deepspeed_config(cfg, ctx.world_size, use_gpu),
         lr_scheduler=scheduler,
         dist_init_required=False,
     )
     return engine, optimizer, lr_scheduler
+
+
+def consolidated_state_dict(engine, ckpt_dir: str, tag: str) -> dict[str, torch.Tensor] | None:
+    """Full fp32 weights on rank 0 (None elsewhere), from any ZeRO stage.
+
+    Stages 1-3 hold the fp32 master weights partitioned across ranks: DeepSpeed's zero_to_fp32
+    reassembles them from the checkpoint just written. Stage 0 keeps full weights in the module.
+    """
+    if dist.get_rank() != 0:
+        return None
+    if engine.zero_optimization_stage() == 0:
+        return {k: v.detach().float().cpu().clone() for k, v in engine.module.state_dict().items()}
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    state = get_fp32_state_dict_from_zero_checkpoint(ckpt_dir, tag=tag)
+    # Buffers that are not parameters (none persistent in our models) would be missing: fill from the module.
+    for k, v in engine.module.state_dict().items():
+        if k not in state and v.numel() > 0:
+            state[k] = v.detach().float().cpu().clone()
+    return {k: v.contiguous() for k, v in state.items()}

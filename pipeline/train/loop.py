@@ -1,28 +1,41 @@
 """The only training loop. Objectives, models and launchers plug into it; it runs on every rank.
 
-Sections in order: distributed set-up, input, model, engine, tracking, resume, the loop, checkpoint.
+Sections in order: distributed set-up, model and objective, engine, resume, input, tracking, the
+loop (step, log, checkpoint, stop requests), final checkpoint and export.
+
+Exactness: a stage stopped after step N and resumed gives the same per-step losses and final weights
+as an uninterrupted one (CPU, fp32): the checkpoint holds model, optimizer, scheduler, step, every
+rank's RNG states, and the data stream continues at batch N x grad_accum (see pipeline.data.loader).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import signal
+import subprocess
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from pipeline.config import ExperimentConfig, flatten, save_resolved
-from pipeline.data.loader import make_train_loader
+from pipeline.data.loader import dataset_info, make_train_loader
 from pipeline.models import create_model
-from pipeline.objectives import build_objective, head_bias_init
+from pipeline.objectives import build_objective
 from pipeline.tracking import Tracker
 from pipeline.train import checkpoint
-from pipeline.train.engine import DistContext, build_engine, init_distributed, scaled_lr
+from pipeline.train.engine import build_engine, consolidated_state_dict, init_distributed, scaled_lr
+from pipeline.train.export import export_weights
 
 log = logging.getLogger(__name__)
+RUN_ID_FILE = "mlflow_run.json"
 
 
 @dataclass
@@ -31,6 +44,8 @@ class StageResult:
     final_loss: float
     checkpoint: str
     mlflow_run_id: str | None
+    export: str | None = None
+    stopped_early: bool = False
     losses: list[float] = field(default_factory=list)
 
 
@@ -40,121 +55,215 @@ def seed_everything(seed: int) -> None:
     np.random.seed(seed)
 
 
-def _to_device(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+def step_seed(seed: int, step: int, micro: int, rank: int) -> int:
+    """An integer seed per (seed, step, micro-step, rank): resumable, and equal across processes."""
+    return int(np.random.SeedSequence([seed, step, micro, rank]).generate_state(1)[0])
 
 
-def train(cfg: ExperimentConfig, report: Callable[[dict], None] | None = None) -> StageResult:
+def code_version() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).parent)  # fmt: skip
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+class StopRequest:
+    """SIGTERM sets a flag; the loop checkpoints at the next step boundary once every rank knows."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        else:  # Ray Train runs the loop in a thread; Ray turns a stop into an exception there instead
+            self._previous = None
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def _model_kwargs(cfg: ExperimentConfig, objective, num_classes: int) -> dict:
+    return {"img_size": cfg.model.img_size, **objective.model_kwargs(num_classes), **cfg.model.overrides}
+
+
+def _flops_per_image(model) -> float | None:
+    try:
+        from pipeline.models.flops import flops_per_image
+    except ImportError:
+        return None
+    try:
+        return float(flops_per_image(model))
+    except (TypeError, ValueError, NotImplementedError):
+        return None
+
+
+def train(cfg: ExperimentConfig, report: Callable[[dict], None] | None = None,
+          parent_run_id: str | None = None) -> StageResult:  # fmt: skip
     # -- distributed set-up
-    ctx: DistContext = init_distributed(cfg.cluster.use_gpu)
+    ctx = init_distributed(cfg.cluster.use_gpu)
     seed_everything(cfg.seed)
     run_path = cfg.run_path
     ckpt_dir = run_path / "checkpoints"
     if ctx.is_main:
         save_resolved(cfg, run_path / "config.yaml")
 
-    # -- input
-    loader, info = make_train_loader(
-        cfg.data.train,
-        rank=ctx.rank,
-        world_size=ctx.world_size,
-        batch_size=cfg.data.batch_size,
-        img_size=cfg.model.img_size,
-        seed=cfg.seed,
-        num_workers=cfg.data.num_workers,
-        shuffle_buffer=cfg.data.shuffle_buffer,
-        min_scale=cfg.data.min_scale,
-    )
-
-    # -- model and engine
-    num_classes = cfg.model.num_classes or info.num_classes
-    model = create_model(
-        cfg.model.name,
-        img_size=cfg.model.img_size,
-        num_classes=num_classes,
-        head_bias_init=head_bias_init(cfg.objective),
-        **cfg.model.overrides,
-    )
+    # -- model and objective
+    info = dataset_info(cfg.data.train, "train")
     objective = build_objective(cfg.objective)
+    model_kwargs = _model_kwargs(cfg, objective, cfg.model.num_classes or info.num_classes)
+    model = create_model(cfg.model.name, **model_kwargs)
+    flops_img = _flops_per_image(model)
+
+    # -- engine, then resume (weights, optimizer, scheduler, RNG, stream position)
     engine, _, lr_scheduler = build_engine(model, cfg, ctx)
+    objective.prepare(engine.module, ctx.device)
+    restored = checkpoint.resume(engine, ckpt_dir, ctx.rank, ctx.world_size, ctx.control_group,
+                                 load_optimizer=cfg.debug.resume_optimizer)  # fmt: skip
+    start = restored.step if restored else 0
     accum = cfg.deepspeed.grad_accum
     global_batch = cfg.data.batch_size * accum * ctx.world_size
 
-    # -- tracking (rank 0 only) and resume
+    # -- input
+    loader, _ = make_train_loader(
+        cfg.data.train, rank=ctx.rank, world_size=ctx.world_size, batch_size=cfg.data.batch_size,
+        img_size=cfg.model.img_size, seed=cfg.seed, num_workers=cfg.data.num_workers,
+        shuffle_buffer=cfg.data.shuffle_buffer, min_scale=cfg.data.min_scale, start_batch=start * accum,
+    )  # fmt: skip
+
+    # -- tracking (rank 0 only): a resumed stage continues its MLflow run
+    run_id_path = run_path / RUN_ID_FILE
+    run_id = json.loads(run_id_path.read_text())["run_id"] if run_id_path.is_file() else None
     tracker = Tracker(
-        cfg.tracking_uri,
-        cfg.tracking.experiment or cfg.name,
-        run_name=cfg.name,
-        enabled=ctx.is_main,
-        tags={"objective": cfg.objective.name, "model": cfg.model.name, "world_size": str(ctx.world_size)},
-    )
+        cfg.tracking_uri, cfg.tracking.experiment or cfg.name, run_name=cfg.name, enabled=ctx.is_main,
+        tags={"variant": cfg.model.name + "".join(f",{k}={v}" for k, v in sorted(cfg.model.overrides.items())),
+              "objective": cfg.objective.name, "world_size": str(ctx.world_size), "code_version": code_version()},
+        run_id=run_id, parent_run_id=parent_run_id, system_metrics=cfg.tracking.system_metrics,
+    )  # fmt: skip
+    stop = StopRequest()
     with tracker:
-        start = checkpoint.resume(engine, ckpt_dir)
-        if start == 0:
-            tracker.log_params(flatten(cfg))
-            tracker.log_params(
-                {"derived.global_batch": global_batch, "derived.lr": scaled_lr(cfg, ctx.world_size)}
-            )
-            tracker.log_artifact(str(run_path / "config.yaml")) if ctx.is_main else None
         if ctx.is_main:
-            n_params = sum(p.numel() for p in model.parameters())
+            if run_id is None:
+                run_id_path.write_text(json.dumps({"run_id": tracker.run_id}))
+                tracker.log_params(flatten(cfg))
+                tracker.log_params({"derived.global_batch": global_batch, "derived.lr": scaled_lr(cfg, ctx.world_size),
+                                    "derived.num_params": sum(p.numel() for p in model.parameters()),
+                                    "derived.flops_per_image": flops_img})  # fmt: skip
+                tracker.log_artifact(str(run_path / "config.yaml"))
+            tracker.set_tags({"checkpoint_dir": str(ckpt_dir)})
             print(
-                f"[{cfg.name}] {cfg.model.name} {n_params / 1e6:.2f}M params | world {ctx.world_size} | "
-                f"global batch {global_batch} | lr {scaled_lr(cfg, ctx.world_size):.2e} | "
-                f"ZeRO-{cfg.deepspeed.zero_stage} {cfg.deepspeed.precision} | steps {start}->{cfg.optim.steps}",
+                f"[{cfg.name}] {cfg.model.name} {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params | "
+                f"{cfg.objective.name} | world {ctx.world_size} | global batch {global_batch} | "
+                f"lr {scaled_lr(cfg, ctx.world_size):.2e} | ZeRO-{cfg.deepspeed.zero_stage} {cfg.deepspeed.precision} | "
+                f"steps {start}->{cfg.optim.steps}" + (f" (resumed from {restored.tag})" if restored else ""),
                 flush=True,
             )
 
         # -- the loop
         batches = iter(loader)
         losses: list[float] = []
-        t0 = t_log = time.perf_counter()
         last_loss = float("nan")
+        t0 = t_log = time.perf_counter()
+        steps_since_log = 0
+        stopped_early = False
         for step in range(start, cfg.optim.steps):
-            for _ in range(accum):
-                batch = _to_device(next(batches), ctx.device)
+            _maybe_kill(cfg, ctx.rank, step + 1, run_path)
+            for micro in range(accum):
+                batch = {k: v.to(ctx.device, non_blocking=True) if torch.is_tensor(v) else v
+                         for k, v in next(batches).items()}  # fmt: skip
+                batch["seed"] = step_seed(cfg.seed, step, micro, ctx.rank)
                 loss, metrics = objective.loss(engine, batch)
                 engine.backward(loss)
                 engine.step()
             done = step + 1
+            steps_since_log += 1
             if done % cfg.tracking.log_every == 0 or done == cfg.optim.steps:
-                mean_loss = loss.detach().clone()
-                dist.all_reduce(mean_loss)  # every rank reaches each log step: the collective is safe
-                last_loss = mean_loss.item() / ctx.world_size  # the only host sync: at log steps
+                # The only host sync: at log steps. Loss and skipped samples summed over ranks in one call.
+                packed = torch.stack(
+                    [loss.detach().float(), torch.tensor(float(batch["skipped"]), device=ctx.device)]
+                )
+                dist.all_reduce(packed)
+                last_loss = packed[0].item() / ctx.world_size
                 losses.append(last_loss)
                 now = time.perf_counter()
-                steps_since = cfg.tracking.log_every if done % cfg.tracking.log_every == 0 else 1
+                images_per_s = steps_since_log * global_batch / max(now - t_log, 1e-9)
                 values = {
                     "train/loss": last_loss,  # mean over ranks
                     "train/lr": lr_scheduler.get_last_lr()[0],
-                    "train/images_per_s": steps_since * global_batch / max(now - t_log, 1e-9),
-                    "data/skipped": batch["skipped"],
+                    "train/images_per_s": images_per_s,
+                    "data/skipped_samples": packed[1].item(),
                     **{f"train/{k}": v.item() for k, v in metrics.items()},
                 }
                 gnorm = engine.get_global_grad_norm()
                 if gnorm is not None:
                     values["train/grad_norm"] = float(gnorm)
+                if flops_img:
+                    tflops = 3 * flops_img * images_per_s / ctx.world_size / 1e12  # training = 3x forward
+                    values["perf/tflops_per_device"] = tflops
+                    values["perf/mfu"] = tflops / cfg.tracking.peak_tflops
                 tracker.log_metrics(values, step=done)
-                t_log = now
+                t_log, steps_since_log = now, 0
                 if ctx.is_main:
                     rate = (done - start) / (now - t0)
                     eta = (cfg.optim.steps - done) / max(rate, 1e-9)
+                    print(f"step {done}/{cfg.optim.steps} loss {last_loss:.4f} {rate:.2f} steps/s eta {eta:.0f}s",
+                          flush=True)  # fmt: skip
+            interrupted = not checkpoint.all_agree(not stop.requested, ctx.control_group)
+            if interrupted or done == cfg.debug.stop_at_step:
+                checkpoint.save(engine, ckpt_dir, done, cfg.checkpoint.keep_last, ctx.rank, {"step": done})
+                tracker.status = "KILLED"
+                stopped_early = True
+                if ctx.is_main:
                     print(
-                        f"step {done}/{cfg.optim.steps} loss {last_loss:.4f} {rate:.2f} steps/s eta {eta:.0f}s",
+                        f"stopped at step {done}: checkpoint {ckpt_dir / checkpoint.tag_for(done)}",
                         flush=True,
                     )
+                if interrupted:
+                    stop.restore()
+                    raise SystemExit(128 + signal.SIGTERM)
+                break
             if (
                 cfg.checkpoint.every_steps
                 and done % cfg.checkpoint.every_steps == 0
                 and done < cfg.optim.steps
             ):
-                checkpoint.save(engine, ckpt_dir, done, cfg.checkpoint.keep_last, ctx.is_main)
+                checkpoint.save(engine, ckpt_dir, done, cfg.checkpoint.keep_last, ctx.rank, {"step": done})
+        stop.restore()
 
-        # -- final checkpoint
-        final = checkpoint.save(engine, ckpt_dir, cfg.optim.steps, cfg.checkpoint.keep_last, ctx.is_main)
-        tracker.set_tags({"checkpoint": str(final)})
-        result = StageResult(cfg.optim.steps, last_loss, str(final), tracker.run_id, losses)
+        # -- final checkpoint and consolidated export
+        export_path = None
+        final_dir = ckpt_dir / checkpoint.tag_for(cfg.optim.steps)
+        if not stopped_early:
+            final_dir = checkpoint.save(engine, ckpt_dir, cfg.optim.steps, cfg.checkpoint.keep_last, ctx.rank,
+                                        {"step": cfg.optim.steps})  # fmt: skip
+            if cfg.checkpoint.export:
+                state = consolidated_state_dict(engine, str(ckpt_dir), final_dir.name)
+                if ctx.is_main:
+                    export_path = str(export_weights(state, cfg.model.name, model_kwargs, run_path / "export",
+                                                     cfg.optim.steps))  # fmt: skip
+                    tracker.set_tags({"export": export_path})
+                dist.barrier()
+            tracker.set_tags({"checkpoint": str(final_dir)})
+        result = StageResult(cfg.optim.steps, last_loss, str(final_dir), tracker.run_id, export_path,
+                             stopped_early, losses)  # fmt: skip
         if report is not None:
-            report({"final_loss": last_loss, "steps": cfg.optim.steps})  # called once on every rank
+            report({"final_loss": last_loss, "steps": cfg.optim.steps})  # once on every rank
     dist.barrier()
     return result
+
+
+def _maybe_kill(cfg: ExperimentConfig, rank: int, step: int, run_path: Path) -> None:
+    """Fault injection: the configured rank's process dies at the configured step, once per run dir."""
+    d = cfg.debug
+    if d.kill_rank != rank or d.kill_at_step != step:
+        return
+    marker = run_path / f"debug_killed_rank{rank}_step{step}"
+    if marker.exists():
+        return
+    marker.write_text("killed\n")
+    log.error("debug: killing rank %d at step %d", rank, step)
+    os.kill(os.getpid(), signal.SIGKILL)
