@@ -1,8 +1,10 @@
 """The training loop on 2 gloo ranks: exact resume per ZeRO stage, checkpoint safety, MLflow contents."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -63,3 +65,91 @@ def test_resume_is_bitwise_exact_per_zero_stage(smoke_data, tmp_path):
         assert control[:4] == straight[:4]
         assert control[4:] != straight[4:], f"ZeRO-{stage}: the negative control did not differ"
         assert any(not torch.equal(w_straight[k], v) for k, v in weights(base / "no_optimizer").items())
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_every_objective_trains_and_its_loss_falls(smoke_data, tmp_path):
+    names = ["supervised_softmax", "supervised_sigmoid", "mae", "masked_patch_prediction", "distill"]
+    torchrun("tests/scripts/objectives.py", str(tmp_path), str(smoke_data), *names)
+    for name in names:
+        losses = [v for _, v in history(tmp_path / name)]
+        assert len(losses) == 40
+        first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+        assert last < 0.9 * first, f"{name}: loss did not fall ({first:.4f} -> {last:.4f})"
+    # The distillation student really looked at its teacher.
+    agreement = [v for _, v in history(tmp_path / "distill", "train/teacher_agreement")]
+    assert len(agreement) == 40
+    # MAE exports its encoder as a plain ViT that fine-tuning loads.
+    exported = weights(tmp_path / "mae")
+    assert "pos_embed" in exported and not any(k.startswith(("decoder", "encoder.")) for k in exported)
+
+
+def _flip_byte(path: Path, offset: int = 200) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_and_resume_falls_back_past_a_corrupt_checkpoint(smoke_data, tmp_path):
+    """SIGTERM mid-run leaves a checkpoint; a corrupted newest checkpoint is skipped; MLflow stays one run."""
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "vitpipe", "train", "configs/experiments/smoke.yaml", "cluster.launcher=local",
+            f"run_dir={run_dir}", f"data.train={smoke_data}", "optim.steps=40", "checkpoint.every_steps=3",
+            "checkpoint.keep_last=3", "data.num_workers=1"]  # fmt: skip
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1"}
+    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    for line in proc.stdout:
+        if line.startswith("step 7/") or time.time() > deadline:
+            proc.send_signal(signal.SIGTERM)
+            break
+    out = proc.stdout.read()
+    assert proc.wait(timeout=120) == 128 + signal.SIGTERM, out[-3000:]
+    stopped = int(out.split("stopped at step ")[1].split(":")[0])
+    assert stopped >= 7
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+    assert ckpts[-1] == f"step_{stopped:08d}" and len(ckpts) == 3  # keep_last
+    assert (run_dir / "checkpoints" / "latest").read_text() == ckpts[-1]
+    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "KILLED"
+
+    # Corrupt the newest checkpoint: resume must fall back to the one before, with a warning.
+    _flip_byte(run_dir / "checkpoints" / ckpts[-1] / "mp_rank_00_model_states.pt")
+    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    log = proc.stdout + proc.stderr
+    assert f"skipping checkpoint {run_dir / 'checkpoints' / ckpts[-1]}" in log and "does not match its sha256" in log
+    assert f"resumed from {ckpts[-2]}" in log
+
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "FINISHED"
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    assert steps == list(range(1, 41))  # each step once, though steps after the fallback point ran twice
+    metrics = set(run.data.metrics)
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/images_per_s", "perf/tflops_per_device", "perf/mfu",
+            "data/skipped_samples", "train/precision_at_1"} <= metrics  # fmt: skip
+    assert any(m.startswith("system/") for m in metrics), sorted(metrics)
+    tags = run.data.tags
+    assert tags["objective"] == "supervised_sigmoid" and tags["world_size"] == "1" and tags["variant"] == "vit_debug"
+    assert tags["code_version"] and tags["checkpoint"].endswith("step_00000040")
+    assert Path(tags["export"]).is_file() and tags["export"].endswith("model.safetensors")
+    assert run.data.params["optim.steps"] == "40" and int(run.data.params["derived.flops_per_image"]) > 0
+
+
+@pytest.mark.unit
+def test_tracker_marks_a_failed_stage_failed(tmp_path):
+    from pipeline.tracking import Tracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    with pytest.raises(RuntimeError), Tracker(uri, "exp", "stage", enabled=True) as t:
+        t.log_metrics({"train/loss": 1.0}, step=1)
+        raise RuntimeError("boom")
+    client = MlflowClient(uri)
+    assert client.get_run(t.run_id).info.status == "FAILED"
+    # Off rank 0 nothing is written.
+    quiet = Tracker(uri, "exp", "stage", enabled=False)
+    quiet.log_metrics({"x": 1.0}, step=1)
+    assert quiet.run_id is None and len(client.search_runs([client.get_experiment_by_name("exp").experiment_id])) == 1

@@ -91,13 +91,13 @@ def _model_kwargs(cfg: ExperimentConfig, objective, num_classes: int) -> dict:
     return {"img_size": cfg.model.img_size, **objective.model_kwargs(num_classes), **cfg.model.overrides}
 
 
-def _flops_per_image(model) -> float | None:
+def _flops_per_image(model) -> int | None:
     try:
         from pipeline.models.flops import flops_per_image
     except ImportError:
         return None
     try:
-        return float(flops_per_image(model))
+        return int(flops_per_image(model))
     except (TypeError, ValueError, NotImplementedError):
         return None
 
