@@ -31,12 +31,13 @@ def _train(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from data_prep.cli import add_shard_parser
-    from pipeline.cli import add_train_parser
+    from pipeline.cli import add_compare_parser, add_train_parser
 
     parser = argparse.ArgumentParser(prog="vitpipe", description="Pretrain Vision Transformers at scale.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_shard_parser(sub)
     add_train_parser(sub).set_defaults(func=_train)
+    add_compare_parser(sub)
     return parser
 
 

@@ -50,6 +50,11 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)  # the DeepSpeed engine wraps the model
 
 
+def _pixels(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    """uint8 batch -> normalised floats in the model's dtype (bf16/fp16 engines cast the weights)."""
+    return normalize(images).to(next(_unwrap(model).parameters()).dtype)
+
+
 class SupervisedSoftmax:
     """Softmax cross-entropy with label smoothing and optional Mixup/CutMix."""
 
@@ -66,8 +71,10 @@ class SupervisedSoftmax:
         pass
 
     def _inputs(self, model, batch):
-        images = normalize(batch["image"])
-        target = _soft_targets(batch["target"], _unwrap(model).num_classes, self.cfg.label_smoothing)
+        images = _pixels(model, batch["image"])
+        target = _soft_targets(batch["target"], _unwrap(model).num_classes, self.cfg.label_smoothing).to(
+            images.dtype
+        )
         rng = np.random.default_rng(int(batch["seed"]))
         c = self.cfg
         return mixup_cutmix(images, target, rng, c.mixup_alpha, c.cutmix_alpha, c.mixup_switch_prob)
@@ -97,7 +104,7 @@ class SupervisedSigmoid:
         pass
 
     def loss(self, model, batch):
-        logits = model(normalize(batch["image"])).float()  # [B, K]
+        logits = model(_pixels(model, batch["image"])).float()  # [B, K]
         target = batch["target"]
         if target.ndim == 1:
             target = F.one_hot(target, logits.shape[1])
@@ -122,7 +129,7 @@ class MaskedAutoencoder:
         pass
 
     def loss(self, model, batch):
-        images = normalize(batch["image"])
+        images = _pixels(model, batch["image"])
         loss, _, mask = model(images, generator=_generator(batch, images.device))
         return loss, {"mask_ratio": mask.float().mean().detach()}
 
@@ -144,7 +151,7 @@ class MaskedPatchPrediction:
     def loss(self, model, batch):
         from pipeline.models.masked_patch import mean_colour_classes
 
-        images = normalize(batch["image"])
+        images = _pixels(model, batch["image"])
         targets = mean_colour_classes(batch["image"], _unwrap(model).patch_size)  # [B, N]
         loss, logits, corrupted = model(images, targets, generator=_generator(batch, images.device))
         acc = (logits.argmax(-1) == targets)[corrupted].float().mean()
@@ -187,7 +194,7 @@ class Distillation:
         self.teacher_size = t.img_size
 
     def loss(self, model, batch):
-        images = normalize(batch["image"])
+        images = _pixels(model, batch["image"])
         num_classes = _unwrap(model).num_classes
         target = _soft_targets(batch["target"], num_classes, self.cfg.label_smoothing)
         cls_logits, dist_logits = model(images)
@@ -198,7 +205,7 @@ class Distillation:
                 if not self.teacher_size
                 else F.interpolate(images, size=self.teacher_size, mode="bicubic")
             )
-            t_logits = self.teacher(t_in).float()
+            t_logits = self.teacher(t_in.float()).float()  # the teacher stays fp32
         if self.cfg.distill_type == "hard":
             dist = F.cross_entropy(dist_logits.float(), t_logits.argmax(-1))
         else:

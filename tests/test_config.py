@@ -1,8 +1,9 @@
 from pathlib import Path
 
 import pytest
+import yaml
 
-from pipeline.config import ConfigError, flatten, load_config, save_resolved
+from pipeline.config import ConfigError, flatten, load_config, save_resolved, validate_config
 
 pytestmark = pytest.mark.unit
 SMOKE = Path(__file__).parents[1] / "configs/experiments/smoke.yaml"
@@ -83,3 +84,23 @@ def test_resolved_config_round_trips(tmp_path):
     assert again == cfg
     flat = flatten(cfg)
     assert flat["optim.steps"] == "7" and flat["deepspeed.zero_stage"] == "2"
+
+
+def test_base_presets_merge_under_the_file(tmp_path):
+    exp = tmp_path / "exp.yaml"
+    preset = Path(__file__).parents[1] / "configs/deepspeed/zero3_offload.yaml"
+    exp.write_text(f"base: [{preset}]\nname: x\ndata: {{train: d}}\ndeepspeed: {{precision: fp32}}\n")
+    cfg = load_config(exp)
+    assert cfg.deepspeed.zero_stage == 3 and cfg.deepspeed.offload_params  # from the preset
+    assert cfg.deepspeed.precision == "fp32"  # the file's own value wins
+    exp.write_text("base: [missing.yaml]\nname: x\ndata: {train: d}\n")
+    with pytest.raises(ConfigError, match="base 'missing.yaml' not found"):
+        load_config(exp)
+
+
+def test_every_deepspeed_preset_validates():
+    presets = sorted((Path(__file__).parents[1] / "configs/deepspeed").glob("*.yaml"))
+    assert len(presets) >= 4
+    for preset in presets:
+        raw = {"name": "x", "data": {"train": "d"}, **yaml.safe_load(preset.read_text())}
+        validate_config(raw, source=str(preset))

@@ -99,7 +99,9 @@ def test_sigterm_checkpoints_and_resume_falls_back_past_a_corrupt_checkpoint(smo
             f"run_dir={run_dir}", f"data.train={smoke_data}", "optim.steps=40", "checkpoint.every_steps=3",
             "checkpoint.keep_last=3", "data.num_workers=1"]  # fmt: skip
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1"}
-    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     deadline = time.time() + 300
     for line in proc.stdout:
         if line.startswith("step 7/") or time.time() > deadline:
@@ -121,7 +123,10 @@ def test_sigterm_checkpoints_and_resume_falls_back_past_a_corrupt_checkpoint(smo
     proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     log = proc.stdout + proc.stderr
-    assert f"skipping checkpoint {run_dir / 'checkpoints' / ckpts[-1]}" in log and "does not match its sha256" in log
+    assert (
+        f"skipping checkpoint {run_dir / 'checkpoints' / ckpts[-1]}" in log
+        and "does not match its sha256" in log
+    )
     assert f"resumed from {ckpts[-2]}" in log
 
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
@@ -133,7 +138,11 @@ def test_sigterm_checkpoints_and_resume_falls_back_past_a_corrupt_checkpoint(smo
             "data/skipped_samples", "train/precision_at_1"} <= metrics  # fmt: skip
     assert any(m.startswith("system/") for m in metrics), sorted(metrics)
     tags = run.data.tags
-    assert tags["objective"] == "supervised_sigmoid" and tags["world_size"] == "1" and tags["variant"] == "vit_debug"
+    assert (
+        tags["objective"] == "supervised_sigmoid"
+        and tags["world_size"] == "1"
+        and tags["variant"] == "vit_debug"
+    )
     assert tags["code_version"] and tags["checkpoint"].endswith("step_00000040")
     assert Path(tags["export"]).is_file() and tags["export"].endswith("model.safetensors")
     assert run.data.params["optim.steps"] == "40" and int(run.data.params["derived.flops_per_image"]) > 0
@@ -152,4 +161,7 @@ def test_tracker_marks_a_failed_stage_failed(tmp_path):
     # Off rank 0 nothing is written.
     quiet = Tracker(uri, "exp", "stage", enabled=False)
     quiet.log_metrics({"x": 1.0}, step=1)
-    assert quiet.run_id is None and len(client.search_runs([client.get_experiment_by_name("exp").experiment_id])) == 1
+    assert (
+        quiet.run_id is None
+        and len(client.search_runs([client.get_experiment_by_name("exp").experiment_id])) == 1
+    )

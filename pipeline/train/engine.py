@@ -79,6 +79,8 @@ def deepspeed_config(cfg: ExperimentConfig, world_size: int, use_gpu: bool) -> d
         "train_batch_size": cfg.data.batch_size * ds.grad_accum * world_size,
         "gradient_clipping": cfg.optim.grad_clip,
         "zero_optimization": zero,
+        # Offloading keeps torch's AdamW (DeepSpeedCPUAdam would need a C++ op build on every machine).
+        **({"zero_force_ds_cpu_optimizer": False} if ds.offload_optimizer or ds.offload_params else {}),
         "bf16": {"enabled": ds.precision == "bf16"},
         "fp16": {"enabled": ds.precision == "fp16", "initial_scale_power": 16},
         "optimizer": {

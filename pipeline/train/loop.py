@@ -118,6 +118,7 @@ def train(cfg: ExperimentConfig, report: Callable[[dict], None] | None = None,
     model_kwargs = _model_kwargs(cfg, objective, cfg.model.num_classes or info.num_classes)
     model = create_model(cfg.model.name, **model_kwargs)
     flops_img = _flops_per_image(model)
+    num_params = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them
 
     # -- engine, then resume (weights, optimizer, scheduler, RNG, stream position)
     engine, _, lr_scheduler = build_engine(model, cfg, ctx)
@@ -151,12 +152,12 @@ def train(cfg: ExperimentConfig, report: Callable[[dict], None] | None = None,
                 run_id_path.write_text(json.dumps({"run_id": tracker.run_id}))
                 tracker.log_params(flatten(cfg))
                 tracker.log_params({"derived.global_batch": global_batch, "derived.lr": scaled_lr(cfg, ctx.world_size),
-                                    "derived.num_params": sum(p.numel() for p in model.parameters()),
+                                    "derived.num_params": num_params,
                                     "derived.flops_per_image": flops_img})  # fmt: skip
                 tracker.log_artifact(str(run_path / "config.yaml"))
             tracker.set_tags({"checkpoint_dir": str(ckpt_dir)})
             print(
-                f"[{cfg.name}] {cfg.model.name} {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params | "
+                f"[{cfg.name}] {cfg.model.name} {num_params / 1e6:.2f}M params | "
                 f"{cfg.objective.name} | world {ctx.world_size} | global batch {global_batch} | "
                 f"lr {scaled_lr(cfg, ctx.world_size):.2e} | ZeRO-{cfg.deepspeed.zero_stage} {cfg.deepspeed.precision} | "
                 f"steps {start}->{cfg.optim.steps}" + (f" (resumed from {restored.tag})" if restored else ""),

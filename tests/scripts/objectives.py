@@ -1,6 +1,6 @@
 """Run under torchrun (2 ranks): train a tiny model with each objective; the test reads MLflow.
 
-    torchrun --standalone --nproc-per-node 2 tests/scripts/objectives.py OUT_DIR DATA_DIR OBJECTIVE...
+torchrun --standalone --nproc-per-node 2 tests/scripts/objectives.py OUT_DIR DATA_DIR OBJECTIVE...
 """
 
 import sys

@@ -1,0 +1,466 @@
+"""`vitpipe compare`: MLflow runs side by side: the params that differ, chosen metrics, metric curves.
+
+    vitpipe compare --experiment smoke                                  # every run of an experiment
+    vitpipe compare --experiment smoke --metric train/loss --agg best --sort train/loss
+    vitpipe compare --filter "params.optim.lr = '0.001'" --format markdown
+    vitpipe compare --run 3f2a9c... --run 9c1b04... --format csv > runs.csv
+    vitpipe compare --experiment smoke --plot train/loss --out loss.png
+
+Runs are chosen by experiment name (`--experiment`, repeatable), an MLflow search filter (`--filter`,
+over the chosen experiments or, without any, over all of them) and run ids (`--run`, repeatable); the
+union is taken, and the nested child runs of every chosen run are added (`--no-children` skips them).
+
+Which store: `--tracking-uri`, else `$MLFLOW_TRACKING_URI`, else the store `vitpipe train` writes by
+default (`sqlite:///<run_dir>/mlflow.db`, run_dir `runs/<name>`): `runs/<E>/mlflow.db` for the first
+`--experiment E` that has one, else the only `runs/*/mlflow.db` under the current directory.
+
+Metric columns default to every metric the runs logged except MLflow's `system/*` samples (ask for
+those with `--metric`). `--agg` turns a history into one number: `final` (the value at the last
+step), `min`, `max`, or `best` (min for names containing "loss", max otherwise).
+A missing experiment, run or metric prints one line naming what exists and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import difflib
+import io
+import math
+import os
+import sys
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+    from mlflow.entities import Run
+
+PARENT_TAG = "mlflow.parentRunId"
+AGGREGATIONS = ("final", "best", "min", "max")
+FORMATS = ("table", "markdown", "csv")
+MISSING = "-"  # shown for a param or metric a run does not have
+MAX_LISTED = 12  # names listed in an error message before "..."
+
+Cell = str | float | None
+
+
+class CompareError(Exception):
+    """A one-line problem for the user (exit status 2)."""
+
+
+def _listing(names: Sequence[str]) -> str:
+    shown = ", ".join(names[:MAX_LISTED])
+    return (shown + f", ... ({len(names)} in all)") if len(names) > MAX_LISTED else (shown or "none")
+
+
+# ---------------------------------------------------------------- which store
+
+
+def resolve_tracking_uri(flag: str | None, experiments: Sequence[str], cwd: Path | None = None) -> str:
+    """The store to read; see the module docstring for the order."""
+    if flag:
+        return flag
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    runs_dir = (cwd or Path.cwd()) / "runs"
+    for name in experiments:
+        db = runs_dir / name / "mlflow.db"
+        if db.is_file():
+            return f"sqlite:///{db.absolute()}"
+    stores = sorted(runs_dir.glob("*/mlflow.db"))
+    if len(stores) == 1:
+        return f"sqlite:///{stores[0].absolute()}"
+    found = _listing([f"sqlite:///{p}" for p in stores]) if stores else "none under ./runs"
+    raise CompareError(
+        f"which MLflow store? pass --tracking-uri or set MLFLOW_TRACKING_URI (stores found: {found})"
+    )
+
+
+def open_client(uri: str) -> MlflowClient:
+    """An MlflowClient on `uri`; a missing SQLite file is an error (MLflow would create an empty one)."""
+    if uri.startswith("sqlite:///"):
+        path = Path(uri.removeprefix("sqlite:///").split("?", 1)[0])
+        if not path.is_file():
+            raise CompareError(f"no MLflow database at {path} (tracking URI {uri})")
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+# ---------------------------------------------------------------- which runs
+
+
+def _all_pages(fetch: Callable[..., list]) -> list:
+    """Every item of a paged MLflow search (1000 per page)."""
+    items, token = [], None
+    while True:
+        page = fetch(page_token=token)
+        items.extend(page)
+        token = page.token
+        if not token:
+            return items
+
+
+def _experiments(client: MlflowClient) -> list:
+    """Every active experiment of the store."""
+    return _all_pages(lambda page_token: client.search_experiments(page_token=page_token))
+
+
+def _experiment_names(client: MlflowClient) -> list[str]:
+    return sorted(e.name for e in _experiments(client))
+
+
+def _search_runs(client: MlflowClient, experiment_ids: list[str], filter_string: str) -> list[Run]:
+    return _all_pages(
+        lambda page_token: client.search_runs(
+            experiment_ids, filter_string, max_results=1000, page_token=page_token
+        )
+    )
+
+
+def _experiment_ids(client: MlflowClient, names: Sequence[str], uri: str) -> list[str]:
+    ids = []
+    for name in names:
+        exp = client.get_experiment_by_name(name)
+        if exp is None or exp.lifecycle_stage != "active":
+            existing = _experiment_names(client)
+            close = difflib.get_close_matches(name, existing, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise CompareError(
+                f"no experiment named {name!r} in {uri}{hint}; experiments there: {_listing(existing)}"
+            )
+        ids.append(exp.experiment_id)
+    return ids
+
+
+def _get_run(client: MlflowClient, run_id: str, uri: str) -> Run:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.get_run(run_id)
+    except MlflowException as exc:
+        if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+    exp_ids = [e.experiment_id for e in _experiments(client)]
+    recent = client.search_runs(exp_ids, max_results=MAX_LISTED, order_by=["attributes.start_time DESC"])
+    listed = _listing([f"{r.info.run_id} ({r.info.run_name})" for r in recent])
+    raise CompareError(f"no run with id {run_id!r} in {uri}; most recent runs there: {listed}")
+
+
+def select_runs(
+    client: MlflowClient,
+    uri: str,
+    experiments: Sequence[str] = (),
+    filter_string: str | None = None,
+    run_ids: Sequence[str] = (),
+    include_children: bool = True,
+) -> list[Run]:
+    """The union of the runs chosen by experiment (+ filter) and by id, plus their nested children."""
+    if not (experiments or filter_string or run_ids):
+        raise CompareError(
+            "choose runs with --experiment NAME, --filter EXPR or --run ID; "
+            f"experiments in {uri}: {_listing(_experiment_names(client))}"
+        )
+    selected: dict[str, Run] = {}
+    if experiments or filter_string:
+        if experiments:
+            exp_ids = _experiment_ids(client, experiments, uri)
+        else:
+            exp_ids = [e.experiment_id for e in _experiments(client)]
+        selected.update((r.info.run_id, r) for r in _search_runs(client, exp_ids, filter_string or ""))
+    for run_id in run_ids:
+        selected[run_id] = _get_run(client, run_id, uri)
+    if include_children and selected:
+        # One search per involved experiment finds every child; walk down from the chosen runs.
+        everything = _search_runs(client, sorted({r.info.experiment_id for r in selected.values()}), "")
+        children: dict[str, list[Run]] = defaultdict(list)
+        for r in everything:
+            if PARENT_TAG in r.data.tags:
+                children[r.data.tags[PARENT_TAG]].append(r)
+        queue = list(selected)
+        while queue:
+            for child in children[queue.pop()]:
+                if child.info.run_id not in selected:
+                    selected[child.info.run_id] = child
+                    queue.append(child.info.run_id)
+    if not selected:
+        what = [f"experiments {', '.join(experiments)}" if experiments else "all experiments"]
+        if filter_string:
+            what.append(f"filter {filter_string!r}")
+        raise CompareError(f"no runs match ({'; '.join(what)}) in {uri}")
+    return _tree_order(list(selected.values()))
+
+
+def _tree_order(runs: list[Run]) -> list[Run]:
+    """Oldest first, each run followed by its own children (which are oldest first too)."""
+    by_id = {r.info.run_id: r for r in runs}
+    kids: dict[str | None, list[Run]] = defaultdict(list)
+    for r in sorted(runs, key=lambda r: (r.info.start_time or 0, r.info.run_id)):
+        parent = r.data.tags.get(PARENT_TAG)
+        kids[parent if parent in by_id else None].append(r)
+    ordered: list[Run] = []
+
+    def visit(r: Run) -> None:
+        ordered.append(r)
+        for child in kids[r.info.run_id]:
+            visit(child)
+
+    for root in kids[None]:
+        visit(root)
+    return ordered
+
+
+# ---------------------------------------------------------------- the table
+
+
+def differing_params(runs: Sequence[Run]) -> list[str]:
+    """Param keys whose value is not the same in every run, sorted.
+
+    A key absent from a top-level run counts as a value of its own (a config field one run lacks is a
+    difference). A nested child run that lacks its parent's keys does not: children log only their
+    own params and inherit the rest, so counting those absences would list every parent param.
+    """
+    ids = {r.info.run_id for r in runs}
+    is_child = [r.data.tags.get(PARENT_TAG) in ids for r in runs]
+    keys = sorted({k for r in runs for k in r.data.params})
+
+    def values(key: str) -> set[str | None]:
+        return {
+            r.data.params.get(key) for r, child in zip(runs, is_child) if key in r.data.params or not child
+        }
+
+    return [k for k in keys if len(values(k)) > 1]
+
+
+def choose_metrics(runs: Sequence[Run], requested: Sequence[str]) -> list[str]:
+    """The metric columns: the requested ones (each must exist in some run) or all but system/*."""
+    available = sorted({k for r in runs for k in r.data.metrics})
+    missing = [m for m in requested if m not in available]
+    if missing:
+        raise CompareError(
+            f"no chosen run has metric {', '.join(map(repr, missing))}; their metrics: {_listing(available)}"
+        )
+    return list(dict.fromkeys(requested)) or [m for m in available if not m.startswith("system/")]
+
+
+def resolve_agg(agg: str, metric: str) -> str:
+    """`best` is the minimum of a loss and the maximum of anything else (accuracy, mAP, throughput)."""
+    if agg == "best":
+        return "min" if "loss" in metric.lower() else "max"
+    return agg
+
+
+def aggregate(client: MlflowClient, run: Run, metric: str, agg: str) -> float | None:
+    """One number from a run's metric history; None if the run never logged it."""
+    if metric not in run.data.metrics:
+        return None
+    how = resolve_agg(agg, metric)
+    if how == "final":
+        return run.data.metrics[metric]  # MLflow's latest value: highest step, then latest timestamp
+    values = [m.value for m in client.get_metric_history(run.info.run_id, metric) if not math.isnan(m.value)]
+    if not values:
+        return math.nan
+    return min(values) if how == "min" else max(values)
+
+
+@dataclass
+class Table:
+    columns: list[str]
+    rows: list[list[Cell]]
+    run_ids: list[str]  # full ids, row by row (the `id` column shows 8 characters outside csv)
+
+    def column(self, name: str) -> int:
+        # A metric column may be asked for by its bare name ("train/loss" for "train/loss [best]").
+        for i, col in enumerate(self.columns):
+            if name in (col, col.split(" [")[0]):
+                return i
+        raise CompareError(f"cannot sort by {name!r}: not a column; columns: {_listing(self.columns)}")
+
+
+def build_table(client: MlflowClient, runs: Sequence[Run], metrics: Sequence[str], agg: str) -> Table:
+    names = {r.info.run_id: r.info.run_name or r.info.run_id[:8] for r in runs}
+    nested = any(PARENT_TAG in r.data.tags for r in runs)
+    params = differing_params(runs)
+    suffix = "" if agg == "final" else f" [{agg}]"
+    columns = ["run", "id", *(["parent"] if nested else []), *params, *(m + suffix for m in metrics)]
+    rows: list[list[Cell]] = []
+    for r in runs:
+        parent_id = r.data.tags.get(PARENT_TAG)
+        parent = [names.get(parent_id, (parent_id or "")[:8]) or None] if nested else []
+        row: list[Cell] = [names[r.info.run_id], r.info.run_id, *parent]
+        row += [r.data.params.get(p) for p in params]
+        row += [aggregate(client, r, m, agg) for m in metrics]
+        rows.append(row)
+    return Table(columns, rows, [r.info.run_id for r in runs])
+
+
+def _sort_key(value: Cell) -> tuple:
+    """Numbers (and numeric strings, e.g. params) by value, before text; used only on present cells."""
+    if isinstance(value, float):
+        return (0, value)
+    try:
+        return (0, float(value))
+    except (TypeError, ValueError):
+        return (1, str(value))
+
+
+def sort_table(table: Table, column: str, descending: bool = False) -> Table:
+    """Rows ordered by one column; runs without a value (or NaN) go last in either direction."""
+    i = table.column(column)
+    order = list(range(len(table.rows)))
+
+    def absent(k: int) -> bool:
+        v = table.rows[k][i]
+        return v is None or (isinstance(v, float) and math.isnan(v))
+
+    present = sorted(
+        (k for k in order if not absent(k)), key=lambda k: _sort_key(table.rows[k][i]), reverse=descending
+    )
+    order = present + [k for k in order if absent(k)]
+    return Table(table.columns, [table.rows[k] for k in order], [table.run_ids[k] for k in order])
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def _text(value: Cell, column: str) -> str:
+    if value is None:
+        return MISSING
+    if column == "id":
+        return str(value)[:8]
+    if isinstance(value, float):
+        return str(int(value)) if value.is_integer() and abs(value) < 1e15 else f"{value:.6g}"
+    return str(value)
+
+
+TEXT_COLUMNS = ("run", "id", "parent")  # left-aligned even when a name or hex id parses as a number
+
+
+def _numeric(column: str, cells: Sequence[str]) -> bool:
+    present = [c for c in cells if c != MISSING]
+    return column not in TEXT_COLUMNS and bool(present) and all(_sort_key(c)[0] == 0 for c in present)
+
+
+def render_table(table: Table) -> str:
+    """Aligned plain text for a terminal: numbers right-aligned, text left-aligned."""
+    cells = [[_text(v, c) for v, c in zip(row, table.columns)] for row in table.rows]
+    cols = list(zip(*cells)) if cells else [() for _ in table.columns]
+    widths = [max([len(h), *map(len, col)]) for h, col in zip(table.columns, cols)]
+    right = [_numeric(h, col) for h, col in zip(table.columns, cols)]
+
+    def line(items: Sequence[str]) -> str:
+        return "  ".join(s.rjust(w) if r else s.ljust(w) for s, w, r in zip(items, widths, right)).rstrip()
+
+    return "\n".join([line(table.columns), line(["-" * w for w in widths]), *map(line, cells)])
+
+
+def render_markdown(table: Table) -> str:
+    cells = [[_text(v, c).replace("|", r"\|") for v, c in zip(row, table.columns)] for row in table.rows]
+    cols = list(zip(*cells)) if cells else [() for _ in table.columns]
+    align = ["---:" if _numeric(h, col) else "---" for h, col in zip(table.columns, cols)]
+    rows = [table.columns, align, *cells]
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
+
+
+def render_csv(table: Table) -> str:
+    """Full run ids and full-precision numbers; an absent value is an empty field."""
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(table.columns)
+    for row, run_id in zip(table.rows, table.run_ids):
+        out = ["" if v is None else repr(v) if isinstance(v, float) else v for v in row]
+        out[table.columns.index("id")] = run_id
+        writer.writerow(out)
+    return buf.getvalue().rstrip("\n")
+
+
+RENDERERS: dict[str, Callable[[Table], str]] = {
+    "table": render_table,
+    "markdown": render_markdown,
+    "csv": render_csv,
+}
+
+
+# ---------------------------------------------------------------- the plot
+
+
+def plot_metric(client: MlflowClient, runs: Sequence[Run], metric: str, out: Path, title: str = "") -> int:
+    """One line per run of `metric` against step, legend by run name; returns the number of lines."""
+    from matplotlib.figure import Figure  # no pyplot: no global backend state, works headless
+
+    names = [r.info.run_name or r.info.run_id[:8] for r in runs]
+    fig = Figure(figsize=(8, 4.8), dpi=120)
+    ax = fig.add_subplot()
+    lines = 0
+    for r, name in zip(runs, names):
+        if metric not in r.data.metrics:
+            continue
+        history = sorted(
+            client.get_metric_history(r.info.run_id, metric), key=lambda m: (m.step, m.timestamp)
+        )
+        by_step = {m.step: m.value for m in history}  # last write wins per step, as MLflow's "latest"
+        steps = sorted(by_step)
+        label = name if names.count(name) == 1 else f"{name} ({r.info.run_id[:8]})"
+        ax.plot(steps, [by_step[s] for s in steps], label=label, linewidth=1.5,
+                marker="o" if len(steps) <= 30 else None, markersize=3)  # fmt: skip
+        lines += 1
+    ax.set_xlabel("step")
+    ax.set_ylabel(metric)
+    ax.set_title(title or metric)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small", loc="best")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    return lines
+
+
+# ---------------------------------------------------------------- entry points
+
+
+def run(args: argparse.Namespace) -> int:
+    """The `vitpipe compare` handler (arguments from `pipeline.cli.add_compare_parser`)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        if args.plot and not args.out:
+            raise CompareError("--plot needs --out FILE.png")
+        uri = resolve_tracking_uri(args.tracking_uri, args.experiment)
+        client = open_client(uri)
+        runs = select_runs(client, uri, args.experiment, args.filter, args.run, not args.no_children)
+        metrics = choose_metrics(runs, args.metric)
+        if args.plot:
+            choose_metrics(runs, [args.plot])  # the same one-line error when no run has it
+        table = build_table(client, runs, metrics, args.agg)
+        if args.sort:
+            table = sort_table(table, args.sort, args.desc)
+        print(RENDERERS[args.format](table))
+        if args.plot:
+            title = f"{args.plot} ({', '.join(args.experiment)})" if args.experiment else args.plot
+            n = plot_metric(client, runs, args.plot, Path(args.out), title)
+            print(f"wrote {args.out}: {args.plot} of {n} run{'s' * (n != 1)}", file=sys.stderr)
+    except CompareError as exc:
+        print(f"vitpipe compare: {exc}", file=sys.stderr)
+        return 2
+    except MlflowException as exc:  # a malformed filter, an unreachable server: MLflow's own words
+        print(f"vitpipe compare: {str(exc.message).splitlines()[0]}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m pipeline.compare ARGS` (the same arguments as `vitpipe compare ARGS`)."""
+    from pipeline.cli import add_compare_parser
+
+    parser = argparse.ArgumentParser(prog="vitpipe")
+    add_compare_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["compare", *(sys.argv[1:] if argv is None else argv)])
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

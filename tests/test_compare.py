@@ -1,0 +1,262 @@
+"""`vitpipe compare` on a real MLflow store (SQLite in a temp folder) built with MLflow's own client.
+
+.venv/bin/python -m pytest tests/test_compare.py -q
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.compare import CompareError, main, resolve_tracking_uri
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Two sweep runs that differ in optim.lr only, a nested few-shot child of the first, and a run in a
+# second experiment. Losses: final 1.25 vs best (min) 1.2 for lr-1e-3; top-1 final 0.48 vs best 0.5.
+LOSS = {"lr-1e-3": [2.0, 1.5, 1.2, 1.3, 1.25], "lr-3e-4": [2.1, 1.9, 1.7, 1.6, 1.55], "baseline": [3.0, 2.5]}
+TOP1 = {"lr-1e-3": [0.2, 0.4, 0.5, 0.45, 0.48], "lr-3e-4": [0.1, 0.15, 0.2, 0.25, 0.3]}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> dict[str, str]:
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric
+
+    root = tmp_path_factory.mktemp("mlflow")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    ids: dict[str, str] = {"uri": uri}
+
+    def make_run(exp_id: str, name: str, start: int, params: dict[str, str], metrics: dict[str, list[float]],
+                 parent: str | None = None) -> str:  # fmt: skip
+        tags = {"mlflow.parentRunId": parent} if parent else {}
+        run_id = client.create_run(exp_id, start_time=start, tags=tags, run_name=name).info.run_id
+        for key, value in params.items():
+            client.log_param(run_id, key, value)
+        batch = [
+            Metric(key, v, start + step, step) for key, vs in metrics.items() for step, v in enumerate(vs, 1)
+        ]
+        client.log_batch(run_id, metrics=batch)
+        client.set_terminated(run_id)
+        ids[name] = run_id
+        return run_id
+
+    sweep = client.create_experiment("sweep", artifact_location=(root / "artifacts").as_uri())
+    other = client.create_experiment("other", artifact_location=(root / "artifacts").as_uri())
+    common = {"model.name": "vit_debug", "seed": "0"}
+    first = make_run(sweep, "lr-1e-3", 1_000, {**common, "optim.lr": "0.001"},
+                     {"train/loss": LOSS["lr-1e-3"], "eval/top1": TOP1["lr-1e-3"],
+                      "system/cpu_utilization_percentage": [50.0, 60.0]})  # fmt: skip
+    make_run(sweep, "lr-3e-4", 2_000, {**common, "optim.lr": "0.0003"},
+             {"train/loss": LOSS["lr-3e-4"], "eval/top1": TOP1["lr-3e-4"]})  # fmt: skip
+    make_run(sweep, "fewshot-5", 3_000, {"fewshot.shots": "5"}, {"fewshot/5shot": [0.6]}, parent=first)
+    make_run(other, "baseline", 4_000, {**common, "optim.lr": "0.001"}, {"train/loss": LOSS["baseline"]})
+    return ids
+
+
+def compare(store: dict[str, str], capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(["--tracking-uri", store["uri"], *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def parse_table(text: str) -> tuple[list[str], dict[str, dict[str, str]]]:
+    """Plain-text table -> (header, {run name: {column: cell}}); no cell in the fixture holds a space."""
+    lines = text.strip().splitlines()
+    header = lines[0].split()
+    assert set(lines[1].replace(" ", "")) == {"-"}
+    rows = [dict(zip(header, line.split())) for line in lines[2:]]
+    return header, {row["run"]: row for row in rows}
+
+
+def error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith("vitpipe compare:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+# ---------------------------------------------------------------- tables
+
+
+def test_table_shows_differing_params_and_final_values(store, capsys):
+    rc, out, _ = compare(store, capsys, "--experiment", "sweep")
+    assert rc == 0
+    header, rows = parse_table(out)
+    # model.name and seed are equal everywhere; the child's missing parent params are no difference.
+    assert header == [
+        "run",
+        "id",
+        "parent",
+        "fewshot.shots",
+        "optim.lr",
+        "eval/top1",
+        "fewshot/5shot",
+        "train/loss",
+    ]
+    assert list(rows) == ["lr-1e-3", "fewshot-5", "lr-3e-4"]  # oldest first, children under their parent
+    assert rows["lr-1e-3"] == {"run": "lr-1e-3", "id": store["lr-1e-3"][:8], "parent": "-", "fewshot.shots": "-",
+                               "optim.lr": "0.001", "eval/top1": "0.48", "fewshot/5shot": "-", "train/loss": "1.25"}  # fmt: skip
+    assert rows["fewshot-5"]["parent"] == "lr-1e-3"
+    assert rows["fewshot-5"]["fewshot/5shot"] == "0.6" and rows["fewshot-5"]["train/loss"] == "-"
+    assert rows["lr-3e-4"]["train/loss"] == "1.55" and rows["lr-3e-4"]["optim.lr"] == "0.0003"
+
+
+def test_table_columns_are_aligned(store, capsys):
+    _, out, _ = compare(store, capsys, "--experiment", "sweep", "--metric", "train/loss")
+    lines = out.strip().splitlines()
+    # Numbers right-aligned: every row's train/loss ends in the same column as the header.
+    assert len({len(line) for line in lines}) == 1, lines
+
+
+@pytest.mark.parametrize(
+    ("agg", "loss", "top1"),
+    [("final", "1.25", "0.48"), ("best", "1.2", "0.5"), ("min", "1.2", "0.2"), ("max", "2", "0.5")],
+)
+def test_aggregations(store, capsys, agg, loss, top1):
+    rc, out, _ = compare(store, capsys, "--experiment", "sweep", "--metric", "train/loss", "--metric", "eval/top1",
+                         "--agg", agg)  # fmt: skip
+    assert rc == 0
+    suffix = "" if agg == "final" else f" [{agg}]"
+    assert out.splitlines()[0].endswith(f"train/loss{suffix}  eval/top1{suffix}")
+    cells = out.strip().splitlines()[2].split()  # lr-1e-3's row: ... loss top1
+    assert cells[-2:] == [loss, top1]
+
+
+def test_sort_ascending_descending_and_missing_last(store, capsys):
+    _, out, _ = compare(store, capsys, "--experiment", "sweep", "--sort", "train/loss")
+    assert list(parse_table(out)[1]) == ["lr-1e-3", "lr-3e-4", "fewshot-5"]
+    _, out, _ = compare(store, capsys, "--experiment", "sweep", "--sort", "train/loss", "--desc")
+    assert list(parse_table(out)[1]) == ["lr-3e-4", "lr-1e-3", "fewshot-5"]
+    # A bare metric name finds its aggregated column; params sort numerically.
+    _, out, _ = compare(
+        store, capsys, "--experiment", "sweep", "--agg", "best", "--sort", "eval/top1", "--desc"
+    )
+    assert list(parse_table(out)[1]) == ["lr-1e-3", "lr-3e-4", "fewshot-5"]
+    _, out, _ = compare(store, capsys, "--experiment", "sweep", "--sort", "optim.lr")
+    assert list(parse_table(out)[1]) == ["lr-3e-4", "lr-1e-3", "fewshot-5"]
+
+
+def test_markdown(store, capsys):
+    rc, out, _ = compare(
+        store, capsys, "--experiment", "sweep", "--metric", "train/loss", "--format", "markdown"
+    )
+    assert rc == 0
+    lines = out.strip().splitlines()
+    assert lines[0] == "| run | id | parent | fewshot.shots | optim.lr | train/loss |"
+    assert lines[1] == "| --- | --- | --- | ---: | ---: | ---: |"
+    assert lines[2] == f"| lr-1e-3 | {store['lr-1e-3'][:8]} | - | - | 0.001 | 1.25 |"
+    assert len(lines) == 5
+
+
+def test_csv_has_full_ids_and_full_precision(store, capsys):
+    rc, out, _ = compare(store, capsys, "--experiment", "sweep", "--format", "csv", "--agg", "best")
+    assert rc == 0
+    rows = {r["run"]: r for r in csv.DictReader(io.StringIO(out))}
+    assert rows["lr-1e-3"]["id"] == store["lr-1e-3"]
+    assert float(rows["lr-1e-3"]["train/loss [best]"]) == 1.2
+    assert rows["fewshot-5"]["train/loss [best]"] == "" and rows["fewshot-5"]["parent"] == "lr-1e-3"
+
+
+# ---------------------------------------------------------------- choosing runs
+
+
+def test_filter_across_all_experiments(store, capsys):
+    _, out, _ = compare(store, capsys, "--filter", "params.optim.lr = '0.001'", "--metric", "train/loss")
+    # Both experiments searched; the child of lr-1e-3 comes along although it has no optim.lr.
+    assert list(parse_table(out)[1]) == ["lr-1e-3", "fewshot-5", "baseline"]
+    _, out, _ = compare(store, capsys, "--filter", "params.optim.lr = '0.001'", "--no-children")
+    assert list(parse_table(out)[1]) == ["lr-1e-3", "baseline"]
+
+
+def test_run_ids_bring_their_children_and_combine_experiments(store, capsys):
+    _, out, _ = compare(store, capsys, "--run", store["lr-1e-3"], "--metric", "train/loss")
+    assert list(parse_table(out)[1]) == ["lr-1e-3", "fewshot-5"]
+    _, out, _ = compare(
+        store, capsys, "--experiment", "other", "--run", store["lr-3e-4"], "--metric", "train/loss"
+    )
+    header, rows = parse_table(out)
+    assert list(rows) == ["lr-3e-4", "baseline"] and "parent" not in header
+    assert rows["baseline"]["optim.lr"] == "0.001" and rows["baseline"]["train/loss"] == "2.5"
+
+
+# ---------------------------------------------------------------- the plot
+
+
+def test_plot_writes_a_png(store, capsys, tmp_path):
+    out_png = tmp_path / "plots" / "loss.png"
+    rc, out, err = compare(store, capsys, "--experiment", "sweep", "--experiment", "other",
+                           "--plot", "train/loss", "--out", str(out_png))  # fmt: skip
+    assert rc == 0 and "train/loss" in out
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "train/loss of 3 runs" in err  # the child run has no train/loss
+
+
+# ---------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--experiment", "nope"], ["no experiment named 'nope'", "Default, other, sweep"]),
+        (["--experiment", "sweeep"], ["did you mean 'sweep'?"]),
+        (["--experiment", "sweep", "--metric", "nope"], ["metric 'nope'", "eval/top1", "train/loss"]),
+        (["--run", "0123456789abcdef"], ["no run with id '0123456789abcdef'", "(baseline)"]),
+        (["--experiment", "sweep", "--plot", "nope", "--out", "x.png"], ["metric 'nope'", "train/loss"]),
+        (["--experiment", "sweep", "--plot", "train/loss"], ["--plot needs --out"]),
+        (["--experiment", "sweep", "--sort", "nope"], ["cannot sort by 'nope'", "train/loss"]),
+        (["--filter", "params.x ="], ["Invalid clause"]),
+        (["--filter", "params.optim.lr = '9'"], ["no runs match", "params.optim.lr = '9'"]),
+        ([], ["choose runs with", "sweep"]),
+    ],
+)
+def test_errors_are_one_line_with_exit_code_2(store, capsys, argv, expected):
+    rc, out, err = compare(store, capsys, *argv)
+    assert rc == 2 and out == ""
+    line = error_line(err)
+    for text in expected:
+        assert text in line, line
+
+
+def test_missing_database_is_not_created(tmp_path, capsys):
+    db = tmp_path / "typo.db"
+    assert main(["--tracking-uri", f"sqlite:///{db}", "--experiment", "sweep"]) == 2
+    assert f"no MLflow database at {db}" in error_line(capsys.readouterr().err)
+    assert not db.exists()
+
+
+def test_default_store_follows_the_train_layout(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with pytest.raises(CompareError, match="none under ./runs"):
+        resolve_tracking_uri(None, [], cwd=tmp_path)
+    for name in ("a", "b"):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        (tmp_path / "runs" / name / "mlflow.db").touch()
+    assert resolve_tracking_uri(None, ["b"], cwd=tmp_path) == f"sqlite:///{tmp_path / 'runs/b/mlflow.db'}"
+    with pytest.raises(CompareError, match="runs/a/mlflow.db, sqlite:///.*runs/b/mlflow.db"):
+        resolve_tracking_uri(None, [], cwd=tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow:5000")
+    assert resolve_tracking_uri(None, ["b"], cwd=tmp_path) == "http://mlflow:5000"
+    assert resolve_tracking_uri("sqlite:///x.db", ["b"], cwd=tmp_path) == "sqlite:///x.db"
+
+
+# ---------------------------------------------------------------- the real command
+
+
+def test_vitpipe_compare_command(store):
+    ok = subprocess.run([sys.executable, "-m", "vitpipe", "compare", "--tracking-uri", store["uri"],
+                         "--experiment", "sweep", "--format", "csv", "--metric", "train/loss"],
+                        cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    assert [r["run"] for r in csv.DictReader(io.StringIO(ok.stdout))] == ["lr-1e-3", "fewshot-5", "lr-3e-4"]
+    bad = subprocess.run([sys.executable, "-m", "vitpipe", "compare", "--tracking-uri", store["uri"],
+                          "--experiment", "nope"], cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "vitpipe compare: no experiment named 'nope'" in bad.stderr
