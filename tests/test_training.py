@@ -95,7 +95,9 @@ def _flip_byte(path: Path, offset: int = 200) -> None:
 def test_sigterm_checkpoints_and_resume_falls_back_past_a_corrupt_checkpoint(smoke_data, tmp_path):
     """SIGTERM mid-run leaves a checkpoint; a corrupted newest checkpoint is skipped; MLflow stays one run."""
     run_dir = tmp_path / "run"
-    args = [sys.executable, "-m", "vitpipe", "train", "configs/experiments/smoke.yaml", "cluster.launcher=local",
+    # Two ranks under torchrun, launched from the same config as every other launcher.
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+            "-m", "pipeline.train.launch", "configs/experiments/smoke.yaml", "cluster.launcher=local",
             f"run_dir={run_dir}", f"data.train={smoke_data}", "optim.steps=40", "checkpoint.every_steps=3",
             "checkpoint.keep_last=3", "data.num_workers=1"]  # fmt: skip
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1"}
@@ -108,7 +110,8 @@ def test_sigterm_checkpoints_and_resume_falls_back_past_a_corrupt_checkpoint(smo
             proc.send_signal(signal.SIGTERM)
             break
     out = proc.stdout.read()
-    assert proc.wait(timeout=120) == 128 + signal.SIGTERM, out[-3000:]
+    # torchrun forwards SIGTERM to both ranks; they agree, checkpoint, and exit 143 (torchrun reports 1).
+    assert proc.wait(timeout=120) != 0, out[-3000:]
     stopped = int(out.split("stopped at step ")[1].split(":")[0])
     assert stopped >= 7
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
@@ -140,7 +143,7 @@ def test_sigterm_checkpoints_and_resume_falls_back_past_a_corrupt_checkpoint(smo
     tags = run.data.tags
     assert (
         tags["objective"] == "supervised_sigmoid"
-        and tags["world_size"] == "1"
+        and tags["world_size"] == "2"
         and tags["variant"] == "vit_debug"
     )
     assert tags["code_version"] and tags["checkpoint"].endswith("step_00000040")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,6 +171,12 @@ class ShardStream(IterableDataset):
             epoch += 1
 
 
+def _ignore_sigterm(worker_id: int) -> None:
+    # A launcher's SIGTERM (torchrun, a scheduler) reaches the whole process group: loader workers must
+    # not die of it, or the rank fails before it can checkpoint. The rank shuts its workers down itself.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def make_train_loader(
     root: str | Path,
     *,
@@ -206,5 +213,6 @@ def make_train_loader(
         # Its own generator: drawing worker seeds from the global RNG would shift the model's random
         # stream (stochastic depth) by one draw on resume, and break exactness.
         generator=torch.Generator().manual_seed(seed),
+        worker_init_fn=_ignore_sigterm,
     )
     return loader, info
