@@ -87,6 +87,19 @@ class StopRequest:
             signal.signal(signal.SIGTERM, self._previous)
 
 
+def train_step(engine, objective, batches, device: torch.device, seed: int, step: int, accum: int, rank: int):
+    """One optimizer step: `accum` micro-batches through the objective and the engine (no host sync)."""
+    for micro in range(accum):
+        batch = {
+            k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in next(batches).items()
+        }
+        batch["seed"] = step_seed(seed, step, micro, rank)
+        loss, metrics = objective.loss(engine, batch)
+        engine.backward(loss)
+        engine.step()
+    return loss, metrics, batch
+
+
 def _model_kwargs(cfg: ExperimentConfig, objective, num_classes: int) -> dict:
     return {"img_size": cfg.model.img_size, **objective.model_kwargs(num_classes), **cfg.model.overrides}
 
@@ -173,13 +186,9 @@ def train(cfg: ExperimentConfig, report: Callable[[dict], None] | None = None,
         stopped_early = False
         for step in range(start, cfg.optim.steps):
             _maybe_kill(cfg, ctx.rank, step + 1, run_path)
-            for micro in range(accum):
-                batch = {k: v.to(ctx.device, non_blocking=True) if torch.is_tensor(v) else v
-                         for k, v in next(batches).items()}  # fmt: skip
-                batch["seed"] = step_seed(cfg.seed, step, micro, ctx.rank)
-                loss, metrics = objective.loss(engine, batch)
-                engine.backward(loss)
-                engine.step()
+            loss, metrics, batch = train_step(
+                engine, objective, batches, ctx.device, cfg.seed, step, accum, ctx.rank
+            )
             done = step + 1
             steps_since_log += 1
             if done % cfg.tracking.log_every == 0 or done == cfg.optim.steps:
