@@ -15,9 +15,9 @@ def _train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     if cfg.cluster.launcher == "ray":
-        from cluster.run import run_training
+        from cluster.run import run_stage
 
-        result = run_training(cfg)
+        result = run_stage(cfg)
         if result.error is not None:
             print(f"training failed: {result.error}", file=sys.stderr)
             return 1
@@ -29,7 +29,15 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run(args: argparse.Namespace) -> int:
+    from cluster.run import run_experiment
+    from pipeline.config import load_experiment
+
+    return run_experiment(load_experiment(args.config, args.overrides))
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from cluster.cli import add_cluster_parsers
     from data_prep.cli import add_shard_parser
     from pipeline.cli import add_compare_parser, add_train_parser
 
@@ -38,10 +46,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_shard_parser(sub)
     add_train_parser(sub).set_defaults(func=_train)
     add_compare_parser(sub)
+    run = sub.add_parser("run", help="run an experiment's stages in order on Ray (this shell is the driver)")
+    run.add_argument("config")
+    run.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    run.set_defaults(func=_run)
+    add_cluster_parsers(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from cluster.submit import SubmitError
     from data_prep.layout import DatasetError
     from pipeline.config import ConfigError
 
@@ -49,8 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ConfigError, DatasetError) as exc:
+    except (ConfigError, DatasetError, SubmitError) as exc:
         print(f"vitpipe {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except ConnectionError as exc:  # no cluster at the address, or the token was refused
+        print(f"vitpipe {args.command}: cannot reach the Ray cluster: {exc}", file=sys.stderr)
         return 2
 
 

@@ -1,16 +1,35 @@
-"""Run a stage on Ray Train workers: one TorchTrainer run, DeepSpeed inside each worker.
+"""The job entry point: an experiment's stages in order, each a Ray Train run with DeepSpeed inside.
 
-vitpipe train configs/experiments/smoke.yaml                  # starts or joins Ray
-ray job submit --working-dir . -- python -m cluster.run configs/experiments/smoke.yaml
+    ray job submit --working-dir . -- python -m cluster.run configs/experiments/NAME.yaml [KEY=VALUE ...]
+    vitpipe run configs/experiments/NAME.yaml          # the same, from this shell (starts or joins Ray)
+
+Idempotent: a finished stage leaves RUN_DIR/STAGE/DONE.json and is skipped when the experiment is
+submitted again; an unfinished one resumes from its newest complete checkpoint. One MLflow parent run
+per experiment (reopened on resubmission) holds a nested run per stage and a summary of each.
+A worker process that dies mid-stage makes Ray Train restart the worker group (cluster.max_failures
+times); the loop then resumes from the newest checkpoint. `ray job stop` sends this driver SIGTERM:
+it writes RUN_DIR/STAGE/STOP, the loop checkpoints at its next step and ends, and the job exits 143.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import sys
+import time
+from pathlib import Path
 
-from pipeline.config import ExperimentConfig, load_config
+from pipeline.config import Experiment, ExperimentConfig, load_experiment
+from pipeline.tracking import end_run, log_to_run, open_parent_run, run_metrics
 from pipeline.train.launch import prepare_data
+from pipeline.train.loop import RUN_ID_FILE, STOP_FILE
+
+DONE = "DONE.json"
+
+
+class StageFailed(RuntimeError):
+    pass
 
 
 def _worker(config: dict) -> None:
@@ -21,41 +40,37 @@ def _worker(config: dict) -> None:
     from pipeline.train.loop import train
 
     cfg = validate_config(config["cfg"], source="<ray worker>")
-    train(cfg, report=ray.train.report)
+    train(cfg, report=ray.train.report, parent_run_id=config["parent_run_id"])
 
 
-def _connect(cfg: ExperimentConfig) -> None:
+def connect(address: str | None, use_gpu: bool) -> None:
+    """Join the cluster (`address`, RAY_ADDRESS, or inside a Ray job), else start a private local Ray."""
     import ray
 
     if ray.is_initialized():
         return
-    env = {"DS_ACCELERATOR": "cuda" if cfg.cluster.use_gpu else "cpu"}
-    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
+    env = {"DS_ACCELERATOR": "cuda" if use_gpu else "cpu"}
+    address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, runtime_env={"env_vars": env})
     else:
-        # A private local instance bound to loopback.
         ray.init(runtime_env={"env_vars": env}, include_dashboard=False)
 
 
-def run_training(cfg: ExperimentConfig):
-    """Resolve paths on the driver, prepare data once, then run the workers. Returns ray.train.Result."""
+def run_stage(cfg: ExperimentConfig, parent_run_id: str | None = None):
+    """One stage on Ray Train workers. Returns ray.train.Result."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     # Workers may start in other directories: pass absolute paths.
-    cfg = cfg.model_copy(
-        update={
-            "run_dir": str(cfg.run_path),
-            "data": cfg.data.model_copy(update={"train": os.path.abspath(cfg.data.train)}),
-        }
-    )
+    data = cfg.data.model_copy(update={"train": os.path.abspath(cfg.data.train)})
+    cfg = cfg.model_copy(update={"run_dir": str(cfg.run_path), "data": data})
     prepare_data(cfg)
-    _connect(cfg)
+    connect(cfg.cluster.address, cfg.cluster.use_gpu)
     c = cfg.cluster
     trainer = TorchTrainer(
         _worker,
-        train_loop_config={"cfg": cfg.model_dump(mode="json")},
+        train_loop_config={"cfg": cfg.model_dump(mode="json"), "parent_run_id": parent_run_id},
         scaling_config=ScalingConfig(
             num_workers=c.num_workers,
             use_gpu=c.use_gpu,
@@ -72,12 +87,81 @@ def run_training(cfg: ExperimentConfig):
     return trainer.fit()
 
 
-def main(argv: list[str] | None = None) -> None:
+def _stage_run_id(cfg: ExperimentConfig) -> str | None:
+    path = cfg.run_path / RUN_ID_FILE
+    return json.loads(path.read_text())["run_id"] if path.is_file() else None
+
+
+class _StopOnSigterm:
+    """`ray job stop` -> SIGTERM here -> a STOP file the running stage's loop sees at its next step."""
+
+    def __init__(self) -> None:
+        self.stage_dir: Path | None = None
+        self.stopping = False
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.stopping = True
+        if self.stage_dir is not None:
+            self.stage_dir.mkdir(parents=True, exist_ok=True)
+            (self.stage_dir / STOP_FILE).write_text(f"stop requested at {time.time()}\n")
+            print(f"SIGTERM: asked stage {self.stage_dir.name} to checkpoint and stop", flush=True)
+
+
+def run_experiment(exp: Experiment) -> int:
+    """Run every unfinished stage in order; returns the process exit status."""
+    exp.run_path.mkdir(parents=True, exist_ok=True)
+    stopper = _StopOnSigterm()
+    parent_file = exp.parent_run_file
+    previous = json.loads(parent_file.read_text())["run_id"] if parent_file.is_file() else None
+    parent = open_parent_run(exp.tracking_uri, exp.name, exp.name, previous,
+                             tags={"stages": ",".join(n for n, _ in exp.stages), "config": exp.source})  # fmt: skip
+    parent_file.write_text(json.dumps({"run_id": parent}))
+    print(f"[{exp.name}] MLflow parent run {parent} at {exp.tracking_uri}", flush=True)
+    for name, cfg in exp.stages:
+        done = cfg.run_path / DONE
+        if done.is_file():
+            print(f"[{exp.name}] stage {name}: already finished ({done}), skipping", flush=True)
+            continue
+        print(f"[{exp.name}] stage {name}: starting ({cfg.cluster.num_workers} workers)", flush=True)
+        stopper.stage_dir = cfg.run_path
+        result = run_stage(cfg, parent)
+        stopper.stage_dir = None
+        stage_run = _stage_run_id(cfg)
+        stopped = bool(result.metrics and result.metrics.get("stopped_early"))
+        if result.error is not None or stopped or stopper.stopping:
+            status = "KILLED" if (stopped or stopper.stopping) else "FAILED"
+            if stage_run:
+                end_run(exp.tracking_uri, stage_run, status)
+            end_run(exp.tracking_uri, parent, status)
+            why = "stopped; resubmit to resume" if status == "KILLED" else f"failed: {result.error}"
+            print(f"[{exp.name}] stage {name} {why}", file=sys.stderr, flush=True)
+            return 128 + signal.SIGTERM if status == "KILLED" else 1
+        summary = {f"{name}/{k.split('/')[-1]}": v for k, v in run_metrics(exp.tracking_uri, stage_run).items()
+                   if not k.startswith("system/")} if stage_run else {}  # fmt: skip
+        log_to_run(exp.tracking_uri, parent, metrics=summary, tags={f"stage.{name}.run_id": stage_run or ""})
+        done.write_text(json.dumps({"stage": name, "mlflow_run_id": stage_run, "finished_at": time.time(),
+                                    "export": str(cfg.run_path / "export")}))  # fmt: skip
+        print(f"[{exp.name}] stage {name}: done", flush=True)
+    end_run(exp.tracking_uri, parent, "FINISHED")
+    print(f"[{exp.name}] all {len(exp.stages)} stages finished; MLflow: {exp.tracking_uri}", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from data_prep.layout import DatasetError
+    from pipeline.config import ConfigError
+
     argv = sys.argv[1:] if argv is None else argv
-    if not argv:
-        sys.exit("usage: python -m cluster.run CONFIG [KEY=VALUE ...]")
-    run_training(load_config(argv[0], argv[1:]))
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: python -m cluster.run CONFIG [KEY=VALUE ...]", file=sys.stderr)
+        return 2
+    try:
+        return run_experiment(load_experiment(argv[0], argv[1:]))
+    except (ConfigError, DatasetError) as exc:
+        print(f"cluster.run: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -36,6 +36,14 @@ class ModelConfig(_Section):
         default_factory=dict,
         description="Keyword overrides passed to `create_model` (e.g. pos_embed, pool, drop_path_rate).",
     )
+    init_from: str | None = Field(
+        None,
+        description="Start from exported weights: an export folder or .safetensors file, or (in a multi-stage "
+        "experiment) the name of an earlier stage. Position embeddings are resampled to img_size.",
+    )
+    init_head: bool = Field(
+        False, description="Also load the classifier head from init_from (else a new zero head)."
+    )
 
 
 class SyntheticDataConfig(_Section):
@@ -343,3 +351,78 @@ def flatten(cfg: ExperimentConfig) -> dict[str, str]:
 
     walk("", cfg.model_dump(mode="json"))
     return out
+
+
+# ---------------------------------------------------------------- multi-stage experiments
+
+
+class Experiment(BaseModel):
+    """An experiment of stages run in order (pretrain -> fine-tune -> evaluate), each a full stage config.
+
+    YAML: `name`, `seed`, `run_dir`, `cluster`, `tracking` for the whole experiment, `defaults` merged
+    under every stage, and `stages`, a mapping from stage name to that stage's own keys (so overrides
+    read `stages.finetune.optim.lr=1e-3`). A file without `stages` is a one-stage experiment.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+    name: str
+    run_path: Path
+    tracking_uri: str
+    stages: list[tuple[str, ExperimentConfig]]
+    source: str
+
+    @property
+    def parent_run_file(self) -> Path:
+        return self.run_path / "parent_run.json"
+
+
+EXPERIMENT_KEYS = ("name", "seed", "run_dir", "cluster", "tracking", "defaults", "stages", "base")
+
+
+def load_experiment(path: str | os.PathLike, overrides: list[str] | None = None) -> Experiment:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
+    if "stages" not in raw:
+        cfg = load_config(path, overrides)
+        return Experiment(name=cfg.name, run_path=cfg.run_path, tracking_uri=cfg.tracking_uri,
+                          stages=[(cfg.name, cfg)], source=str(path))  # fmt: skip
+    raw = apply_overrides(_with_bases(raw, path, seen=(path.resolve(),)), list(overrides or []))
+    unknown = sorted(set(raw) - set(EXPERIMENT_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"{path}: unknown top-level key(s) {', '.join(unknown)} in a multi-stage experiment; allowed: "
+            f"{', '.join(EXPERIMENT_KEYS)} (stage settings go under defaults or stages.NAME)"
+        )
+    stages = raw["stages"]
+    if not isinstance(stages, dict) or not stages:
+        raise ConfigError(f"{path}: stages must be a non-empty mapping of stage name to settings")
+    name = raw.get("name")
+    if not name:
+        raise ConfigError(f"{path}: name: required key is missing")
+    run_path = Path(str(raw.get("run_dir", "runs/{name}")).format(name=name)).absolute()
+    tracking = dict(raw.get("tracking") or {})
+    uri = tracking.get("uri") or f"sqlite:///{run_path / 'mlflow.db'}"
+    resolved: list[tuple[str, ExperimentConfig]] = []
+    for stage_name, stage_raw in stages.items():
+        if not isinstance(stage_raw, dict):
+            raise ConfigError(f"{path}: stages.{stage_name} must be a mapping")
+        merged = _deep_merge(raw.get("defaults") or {}, stage_raw)
+        merged = _deep_merge({"cluster": raw.get("cluster") or {}}, merged)
+        merged.update(name=stage_name, seed=raw.get("seed", 0), run_dir=str(run_path / stage_name),
+                      tracking={**tracking, **(merged.get("tracking") or {}), "uri": uri, "experiment": name})  # fmt: skip
+        init = (merged.get("model") or {}).get("init_from")
+        if init is not None and init in stages:
+            if init not in [n for n, _ in resolved]:
+                raise ConfigError(
+                    f"{path}: stages.{stage_name}.model.init_from: stage {init!r} does not run before it"
+                )
+            merged["model"]["init_from"] = str(run_path / init / "export")
+        resolved.append((stage_name, validate_config(merged, source=f"{path} stages.{stage_name}")))
+    return Experiment(name=name, run_path=run_path, tracking_uri=uri, stages=resolved, source=str(path))

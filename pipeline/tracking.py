@@ -87,3 +87,54 @@ class Tracker:
             self.close("FAILED")
         else:
             self.close()
+
+
+# ---------------------------------------------------------------- experiment (parent) runs
+
+
+def open_parent_run(
+    uri: str, experiment: str, run_name: str, run_id: str | None, tags: Mapping[str, str]
+) -> str:
+    """Create the experiment's parent run, or reopen it on resubmission; returns its id.
+
+    Written by the job driver between stages only, so it never competes with a stage's rank-0 writer
+    for the SQLite lock while the stage trains.
+    """
+    from mlflow import MlflowClient, set_tracking_uri
+
+    set_tracking_uri(uri)
+    client = MlflowClient(uri)
+    if run_id is not None:
+        client.update_run(run_id, status="RUNNING")
+        return run_id
+    exp = client.get_experiment_by_name(experiment)
+    exp_id = exp.experiment_id if exp else client.create_experiment(experiment)
+    return client.create_run(exp_id, run_name=run_name, tags=dict(tags)).info.run_id
+
+
+def log_to_run(uri: str, run_id: str, metrics: Mapping[str, float] | None = None,
+               params: Mapping[str, object] | None = None, tags: Mapping[str, str] | None = None) -> None:  # fmt: skip
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    for k, v in (metrics or {}).items():
+        client.log_metric(run_id, k, float(v))
+    for k, v in (params or {}).items():
+        client.log_param(run_id, k, str(v)[:MAX_PARAM_LEN])
+    for k, v in (tags or {}).items():
+        client.set_tag(run_id, k, v)
+
+
+def end_run(uri: str, run_id: str, status: str) -> None:
+    """Set a run's final status from outside it (the driver closing a stage whose rank 0 died)."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    if client.get_run(run_id).info.status == "RUNNING" or status == "FINISHED":
+        client.set_terminated(run_id, status=status)
+
+
+def run_metrics(uri: str, run_id: str) -> dict[str, float]:
+    from mlflow import MlflowClient
+
+    return dict(MlflowClient(uri).get_run(run_id).data.metrics)

@@ -46,14 +46,18 @@ def _strip(state_dict: dict) -> dict[str, torch.Tensor]:
 
 
 def load_timm_state_dict(
-    model: VisionTransformer, state_dict: dict, strict_head: bool = True
+    model: VisionTransformer, state_dict: dict, strict_head: bool = True, reset_head: bool = False
 ) -> VisionTransformer:
     """Load a timm/DeiT/MAE-layout state dict into `model`, resampling `pos_embed` to its grid.
 
-    strict_head=False drops `head.*` / `head_dist.*` of another class count (fine-tuning a new head).
+    strict_head=False drops `head.*` / `head_dist.*` of another class count (fine-tuning a new head);
+    reset_head=True keeps the model's own freshly initialised heads whatever the checkpoint holds.
     """
     sd = {k: v for k, v in _strip(state_dict).items() if not k.startswith(_IGNORED_PREFIXES)}
     own = model.state_dict()
+    if reset_head:
+        sd = {k: v for k, v in sd.items() if not k.startswith(("head.", "head_dist."))}
+        sd.update({k: v for k, v in own.items() if k.startswith(("head.", "head_dist."))})
     if "pos_embed" in sd and "pos_embed" in own and sd["pos_embed"].shape != own["pos_embed"].shape:
         src = sd["pos_embed"]
         n_src = src.shape[1] - model.num_prefix_tokens

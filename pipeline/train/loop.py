@@ -27,15 +27,17 @@ import torch.distributed as dist
 
 from pipeline.config import ExperimentConfig, flatten, save_resolved
 from pipeline.data.loader import dataset_info, make_train_loader
-from pipeline.models import create_model
+from pipeline.models import VisionTransformer, create_model
+from pipeline.models.convert import load_timm_state_dict
 from pipeline.objectives import build_objective
 from pipeline.tracking import Tracker
 from pipeline.train import checkpoint
 from pipeline.train.engine import build_engine, consolidated_state_dict, init_distributed, scaled_lr
-from pipeline.train.export import export_weights
+from pipeline.train.export import export_weights, load_exported
 
 log = logging.getLogger(__name__)
 RUN_ID_FILE = "mlflow_run.json"
+STOP_FILE = "STOP"
 
 
 @dataclass
@@ -70,17 +72,27 @@ def code_version() -> str:
 
 
 class StopRequest:
-    """SIGTERM sets a flag; the loop checkpoints at the next step boundary once every rank knows."""
+    """SIGTERM, or a STOP file in the run directory, asks the loop to checkpoint and stop.
 
-    def __init__(self) -> None:
-        self.requested = False
+    The loop checks at every step boundary and all ranks agree before acting. The file serves where
+    no signal reaches the loop: Ray Train runs it in a worker thread, so a job driver that receives
+    `ray job stop`'s SIGTERM writes RUN_DIR/STOP instead.
+    """
+
+    def __init__(self, stop_file: Path) -> None:
+        self.signalled = False
+        self.stop_file = stop_file
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._handle)
         else:  # Ray Train runs the loop in a thread; Ray turns a stop into an exception there instead
             self._previous = None
 
     def _handle(self, signum, frame) -> None:
-        self.requested = True
+        self.signalled = True
+
+    @property
+    def requested(self) -> bool:
+        return self.signalled or self.stop_file.exists()
 
     def restore(self) -> None:
         if self._previous is not None:
@@ -98,6 +110,15 @@ def train_step(engine, objective, batches, device: torch.device, seed: int, step
         engine.backward(loss)
         engine.step()
     return loss, metrics, batch
+
+
+def init_weights(model, source: str, init_head: bool) -> None:
+    """Start from exported weights (a pretraining stage's, or public ones in the timm layout)."""
+    if not isinstance(model, VisionTransformer):
+        raise ValueError(f"model.init_from needs a plain ViT to load into, got {type(model).__name__}")
+    state, meta = load_exported(source)
+    load_timm_state_dict(model, state, strict_head=init_head, reset_head=not init_head)
+    log.info("initialised from %s (%s, step %s)", source, meta.get("model", "?"), meta.get("step", "?"))
 
 
 def _model_kwargs(cfg: ExperimentConfig, objective, num_classes: int) -> dict:
@@ -130,6 +151,8 @@ def train(cfg: ExperimentConfig, report: Callable[[dict], None] | None = None,
     objective = build_objective(cfg.objective)
     model_kwargs = _model_kwargs(cfg, objective, cfg.model.num_classes or info.num_classes)
     model = create_model(cfg.model.name, **model_kwargs)
+    if cfg.model.init_from:
+        init_weights(model, cfg.model.init_from, cfg.model.init_head)
     flops_img = _flops_per_image(model)
     num_params = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them
 
@@ -158,7 +181,8 @@ def train(cfg: ExperimentConfig, report: Callable[[dict], None] | None = None,
               "objective": cfg.objective.name, "world_size": str(ctx.world_size), "code_version": code_version()},
         run_id=run_id, parent_run_id=parent_run_id, system_metrics=cfg.tracking.system_metrics,
     )  # fmt: skip
-    stop = StopRequest()
+    stop = StopRequest(run_path / STOP_FILE)
+    stop.stop_file.unlink(missing_ok=True)  # a stop request belongs to the run it stopped
     with tracker:
         if ctx.is_main:
             if run_id is None:
@@ -232,7 +256,8 @@ def train(cfg: ExperimentConfig, report: Callable[[dict], None] | None = None,
                         f"stopped at step {done}: checkpoint {ckpt_dir / checkpoint.tag_for(done)}",
                         flush=True,
                     )
-                if interrupted:
+                # A signal ends the process (torchrun, a scheduler); a STOP file ends the stage cleanly (Ray).
+                if interrupted and not checkpoint.all_agree(not stop.signalled, ctx.control_group):
                     stop.restore()
                     raise SystemExit(128 + signal.SIGTERM)
                 break
@@ -261,7 +286,9 @@ def train(cfg: ExperimentConfig, report: Callable[[dict], None] | None = None,
         result = StageResult(cfg.optim.steps, last_loss, str(final_dir), tracker.run_id, export_path,
                              stopped_early, losses)  # fmt: skip
         if report is not None:
-            report({"final_loss": last_loss, "steps": cfg.optim.steps})  # once on every rank
+            report(
+                {"final_loss": last_loss, "steps": cfg.optim.steps, "stopped_early": stopped_early}
+            )  # every rank
     dist.barrier()
     return result
 

@@ -1,0 +1,133 @@
+"""`vitpipe submit / jobs / logs / stop` over the Ray Jobs SDK.
+
+    vitpipe submit configs/experiments/NAME.yaml [KEY=VALUE ...] --address http://HEAD:8265 --follow
+    vitpipe jobs | vitpipe logs ID [--follow] | vitpipe stop ID
+
+The working directory (this project) is uploaded without .git, virtual environments, datasets, run
+folders and MLflow stores, and refused before upload when it is still over the Jobs API limit.
+Token authentication stays on: clients need RAY_AUTH_MODE=token and the cluster's token
+(~/.ray/auth_token, RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fnmatch
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+# Ray's limit on a job's uploaded working directory (ray issue 45602: .git is not excluded by default).
+UPLOAD_LIMIT_BYTES = 100 * 1024**2
+EXCLUDES = [".git", ".venv", "venv", "data", "runs", "mlruns", "*.db", "__pycache__", ".pytest_cache",
+            ".ruff_cache", "*.egg-info", ".whl", ".gl"]  # fmt: skip
+DEFAULT_ADDRESS = "http://127.0.0.1:8265"
+
+
+class SubmitError(RuntimeError):
+    pass
+
+
+def _excluded(rel: Path) -> bool:
+    return any(fnmatch.fnmatch(part, pat) for part in rel.parts for pat in EXCLUDES)
+
+
+def working_dir_size(root: Path) -> tuple[int, list[tuple[int, str]]]:
+    """Bytes that would be uploaded, and the largest top-level entries (for the error message)."""
+    total, per_top = 0, {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = Path(dirpath).relative_to(root)
+        dirnames[:] = [d for d in dirnames if not _excluded(rel_dir / d)]
+        for f in filenames:
+            rel = rel_dir / f
+            if _excluded(rel):
+                continue
+            try:
+                size = (root / rel).stat().st_size
+            except OSError:
+                continue
+            total += size
+            per_top[rel.parts[0]] = per_top.get(rel.parts[0], 0) + size
+    return total, sorted(((s, n) for n, s in per_top.items()), reverse=True)[:5]
+
+
+def check_upload(root: Path, limit: int = UPLOAD_LIMIT_BYTES) -> int:
+    total, largest = working_dir_size(root)
+    if total > limit:
+        top = ", ".join(f"{n} ({s / 1024**2:.1f} MiB)" for s, n in largest)
+        raise SubmitError(
+            f"working directory {root} is {total / 1024**2:.1f} MiB after excludes, over the Jobs API limit of "
+            f"{limit / 1024**2:.0f} MiB; largest: {top}. Move data to shared storage or out of the project."
+        )
+    return total
+
+
+def client(address: str | None):
+    from ray.job_submission import JobSubmissionClient
+
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    return JobSubmissionClient(address or os.environ.get("RAY_ADDRESS") or DEFAULT_ADDRESS)
+
+
+def submission_id(experiment: str) -> str:
+    return f"{experiment}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def submit(config: str, overrides: list[str], address: str | None, python: str = "python",
+           env: dict[str, str] | None = None, root: Path | None = None) -> str:  # fmt: skip
+    """Validate the config here (fail before upload), check the upload size, submit; returns the id."""
+    from pipeline.config import load_experiment
+
+    exp = load_experiment(config, overrides)  # a typo fails here, not after an upload
+    root = (root or Path.cwd()).resolve()
+    check_upload(root)
+    cfg_path = Path(config).resolve()
+    try:
+        rel_config = cfg_path.relative_to(root).as_posix()
+    except ValueError:  # only a cluster on this machine can read it: fine for local runs and tests
+        print(f"warning: {config} is outside the uploaded working directory; passing its absolute path",
+              file=sys.stderr)  # fmt: skip
+        rel_config = str(cfg_path)
+    use_gpu = any(c.cluster.use_gpu for _, c in exp.stages)
+    env_vars = {"DS_ACCELERATOR": "cuda" if use_gpu else "cpu", "PYTHONUNBUFFERED": "1", **(env or {})}
+    entrypoint = " ".join(shlex.quote(a) for a in [python, "-m", "cluster.run", rel_config, *overrides])
+    sid = submission_id(exp.name)
+    client(address).submit_job(
+        entrypoint=entrypoint,
+        submission_id=sid,
+        runtime_env={"working_dir": str(root), "excludes": EXCLUDES, "env_vars": env_vars},
+        metadata={"experiment": exp.name, "config": rel_config},
+    )
+    return sid
+
+
+async def _tail(c, sid: str) -> None:
+    async for lines in c.tail_job_logs(sid):
+        print(lines, end="", flush=True)
+
+
+def follow(sid: str, address: str | None) -> str:
+    """Stream the job's logs until it ends; returns its final status."""
+    c = client(address)
+    asyncio.run(_tail(c, sid))
+    status = c.get_job_status(sid)
+    return str(getattr(status, "value", status))
+
+
+def list_jobs(address: str | None) -> list[dict]:
+    rows = []
+    for j in client(address).list_jobs():
+        rows.append({"id": j.submission_id or j.job_id, "status": str(getattr(j.status, "value", j.status)),
+                     "start": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime((j.start_time or 0) / 1000)),
+                     "entrypoint": j.entrypoint})  # fmt: skip
+    return sorted(rows, key=lambda r: r["start"])
+
+
+def logs(sid: str, address: str | None) -> str:
+    return client(address).get_job_logs(sid)
+
+
+def stop(sid: str, address: str | None) -> bool:
+    return client(address).stop_job(sid)
