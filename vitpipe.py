@@ -17,9 +17,12 @@ def _train(args: argparse.Namespace) -> int:
     if cfg.cluster.launcher == "ray":
         from cluster.run import run_stage
 
-        result = run_stage(cfg)
-        if result.error is not None:
-            print(f"training failed: {result.error}", file=sys.stderr)
+        try:
+            error = run_stage(cfg).error
+        except Exception as exc:  # Ray Train v2 raises TrainingFailedError once retries are exhausted
+            error = exc
+        if error is not None:
+            print(f"training failed: {error}", file=sys.stderr)
             return 1
     else:
         from pipeline.train.launch import launch_local

@@ -111,7 +111,9 @@ class _StopOnSigterm:
 def run_experiment(exp: Experiment) -> int:
     """Run every unfinished stage in order; returns the process exit status."""
     exp.run_path.mkdir(parents=True, exist_ok=True)
-    stopper = _StopOnSigterm()
+    first = exp.stages[0][1].cluster
+    connect(first.address, any(c.cluster.use_gpu for _, c in exp.stages))
+    stopper = _StopOnSigterm()  # after ray.init, which installs a SIGTERM handler of its own
     parent_file = exp.parent_run_file
     previous = json.loads(parent_file.read_text())["run_id"] if parent_file.is_file() else None
     parent = open_parent_run(exp.tracking_uri, exp.name, exp.name, previous,
@@ -125,16 +127,20 @@ def run_experiment(exp: Experiment) -> int:
             continue
         print(f"[{exp.name}] stage {name}: starting ({cfg.cluster.num_workers} workers)", flush=True)
         stopper.stage_dir = cfg.run_path
-        result = run_stage(cfg, parent)
+        try:
+            result = run_stage(cfg, parent)
+            error, metrics = result.error, result.metrics or {}
+        except Exception as exc:  # Ray Train v2 raises TrainingFailedError once retries are exhausted
+            error, metrics = exc, {}
         stopper.stage_dir = None
         stage_run = _stage_run_id(cfg)
-        stopped = bool(result.metrics and result.metrics.get("stopped_early"))
-        if result.error is not None or stopped or stopper.stopping:
+        stopped = bool(metrics.get("stopped_early"))
+        if error is not None or stopped or stopper.stopping:
             status = "KILLED" if (stopped or stopper.stopping) else "FAILED"
             if stage_run:
                 end_run(exp.tracking_uri, stage_run, status)
             end_run(exp.tracking_uri, parent, status)
-            why = "stopped; resubmit to resume" if status == "KILLED" else f"failed: {result.error}"
+            why = "stopped; resubmit to resume" if status == "KILLED" else f"failed: {error}"
             print(f"[{exp.name}] stage {name} {why}", file=sys.stderr, flush=True)
             return 128 + signal.SIGTERM if status == "KILLED" else 1
         summary = {f"{name}/{k.split('/')[-1]}": v for k, v in run_metrics(exp.tracking_uri, stage_run).items()

@@ -24,6 +24,7 @@ UPLOAD_LIMIT_BYTES = 100 * 1024**2
 EXCLUDES = [".git", ".venv", "venv", "data", "runs", "mlruns", "*.db", "__pycache__", ".pytest_cache",
             ".ruff_cache", "*.egg-info", ".whl", ".gl"]  # fmt: skip
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
+STOP_WAIT_S = 300  # grace between `ray job stop`'s SIGTERM and its SIGKILL (the job supervisor reads it)
 
 
 class SubmitError(RuntimeError):
@@ -91,7 +92,13 @@ def submit(config: str, overrides: list[str], address: str | None, python: str =
               file=sys.stderr)  # fmt: skip
         rel_config = str(cfg_path)
     use_gpu = any(c.cluster.use_gpu for _, c in exp.stages)
-    env_vars = {"DS_ACCELERATOR": "cuda" if use_gpu else "cpu", "PYTHONUNBUFFERED": "1", **(env or {})}
+    env_vars = {
+        "DS_ACCELERATOR": "cuda" if use_gpu else "cpu",
+        "PYTHONUNBUFFERED": "1",
+        # `ray job stop` SIGKILLs the driver 3 s after SIGTERM by default: too short to checkpoint a stage.
+        "RAY_JOB_STOP_WAIT_TIME_S": str(STOP_WAIT_S),
+        **(env or {}),
+    }
     entrypoint = " ".join(shlex.quote(a) for a in [python, "-m", "cluster.run", rel_config, *overrides])
     sid = submission_id(exp.name)
     client(address).submit_job(

@@ -18,3 +18,14 @@ def ray_cluster():
     yield cluster
     local.stop()
     shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def smoke_dataset(tmp_path_factory):
+    """The smoke corpus (320 multi-label images, 8 shards), written once per session."""
+    from data_prep.synthetic import class_names, synthetic_samples
+    from data_prep.writer import write_dataset
+
+    root = tmp_path_factory.mktemp("smoke_dataset")
+    write_dataset(root, synthetic_samples(320, 8, seed=0, width=48, height=40), class_names(8), True, 40)
+    return root

@@ -1,0 +1,156 @@
+"""Orchestration on a real local Ray cluster (token auth on): ray job submit, fault tolerance, stop."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).parents[1]
+TWO_STAGE = ROOT / "configs/experiments/two_stage_tiny.yaml"
+SMOKE = ROOT / "configs/experiments/smoke.yaml"
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+def cli(
+    *args: str, env: dict | None = None, timeout: int = 600, check: bool = True
+) -> subprocess.CompletedProcess:
+    proc = subprocess.run(args, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+    if check:
+        assert proc.returncode == 0, f"{' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def ray_bin() -> str:
+    return str(Path(sys.executable).with_name("ray"))
+
+
+def runs_by_name(uri: str) -> dict:
+    client = MlflowClient(uri)
+    return {
+        r.info.run_name: r for r in client.search_runs([e.experiment_id for e in client.search_experiments()])
+    }
+
+
+def test_two_stage_experiment_through_ray_job_submit(ray_cluster, tmp_path, smoke_dataset):
+    run_dir = tmp_path / "exp"
+    proc = cli(
+        ray_bin(), "job", "submit", "--address", ray_cluster.dashboard_url, "--working-dir", str(ROOT),
+        "--runtime-env-json", json.dumps({"excludes": [".git", ".venv", "data", "runs"]}),
+        "--", sys.executable, "-m", "cluster.run", str(TWO_STAGE), f"run_dir={run_dir}",
+        f"defaults.data.train={smoke_dataset}",
+    )  # fmt: skip
+    assert "succeeded" in (proc.stdout + proc.stderr).lower()
+    uri = f"sqlite:///{run_dir / 'mlflow.db'}"
+    runs = runs_by_name(uri)
+    parent = runs["two_stage_tiny"]
+    assert parent.info.status == "FINISHED"
+    for stage in ("pretrain", "finetune"):
+        child = runs[stage]
+        assert child.info.status == "FINISHED"
+        assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert (run_dir / stage / "DONE.json").is_file()
+        assert f"{stage}/loss" in parent.data.metrics  # the parent holds a summary of each stage
+    # The fine-tuning stage started from the pretraining stage's exported encoder.
+    assert runs["finetune"].data.params["model.init_from"] == str(run_dir / "pretrain" / "export")
+
+    # Resubmitting is idempotent: finished stages are skipped (here through vitpipe submit --follow).
+    proc = cli(
+        sys.executable, "-m", "vitpipe", "submit", str(TWO_STAGE), f"run_dir={run_dir}",
+        f"defaults.data.train={smoke_dataset}", "--address", ray_cluster.dashboard_url, "--follow",
+        "--python", sys.executable,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert "stage pretrain: already finished" in out and "stage finetune: already finished" in out
+    assert "SUCCEEDED" in out
+    jobs = cli(sys.executable, "-m", "vitpipe", "jobs", "--address", ray_cluster.dashboard_url).stdout
+    assert "two_stage_tiny-" in jobs and "SUCCEEDED" in jobs
+
+
+def _train(ray_cluster, run_dir: Path, data: Path, *extra: str, check: bool = True):
+    return cli(
+        sys.executable, "-m", "vitpipe", "train", str(SMOKE), f"cluster.address={ray_cluster.address}",
+        f"run_dir={run_dir}", f"data.train={data}", "optim.steps=8", "checkpoint.every_steps=2",
+        "tracking.system_metrics=false", "model.overrides.drop_path_rate=0.1", *extra, check=check,
+    )  # fmt: skip
+
+
+def test_killed_worker_recovers_with_the_weights_of_an_uninterrupted_run(
+    ray_cluster, tmp_path, smoke_dataset
+):
+    _train(ray_cluster, tmp_path / "straight", smoke_dataset)
+    _train(ray_cluster, tmp_path / "killed", smoke_dataset, "cluster.max_failures=1", "debug.kill_rank=1",
+           "debug.kill_at_step=5")  # fmt: skip
+    assert (tmp_path / "killed" / "debug_killed_rank1_step5").is_file()  # the fault really happened
+    a = load_file(str(tmp_path / "straight" / "export" / "model.safetensors"))
+    b = load_file(str(tmp_path / "killed" / "export" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    history = MlflowClient(f"sqlite:///{tmp_path / 'killed' / 'mlflow.db'}")
+    (run,) = history.search_runs([e.experiment_id for e in history.search_experiments()])
+    steps = [m.step for m in history.get_metric_history(run.info.run_id, "train/loss")]
+    assert steps == list(range(1, 9)) and run.info.status == "FINISHED"
+
+
+def test_retries_exhausted_fail_the_job_and_the_mlflow_runs(ray_cluster, tmp_path, smoke_dataset):
+    run_dir = tmp_path / "exp"
+    proc = cli(
+        sys.executable, "-m", "vitpipe", "run", str(TWO_STAGE), f"run_dir={run_dir}",
+        f"defaults.data.train={smoke_dataset}", f"cluster.address={ray_cluster.address}", "cluster.max_failures=0",
+        "stages.pretrain.debug.kill_rank=1", "stages.pretrain.debug.kill_at_step=3", check=False,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "stage pretrain failed" in proc.stderr
+    runs = runs_by_name(f"sqlite:///{run_dir / 'mlflow.db'}")
+    assert runs["two_stage_tiny"].info.status == "FAILED"
+    assert runs["pretrain"].info.status == "FAILED"
+    assert "finetune" not in runs and not (run_dir / "pretrain" / "DONE.json").exists()
+
+
+def test_ray_job_stop_checkpoints_the_running_stage(ray_cluster, tmp_path, smoke_dataset):
+    run_dir = tmp_path / "exp"
+    sid = f"stoptest-{int(time.time())}"
+    cli(
+        ray_bin(), "job", "submit", "--no-wait", "--submission-id", sid, "--address", ray_cluster.dashboard_url,
+        "--working-dir", str(ROOT), "--runtime-env-json",
+        json.dumps({"excludes": [".git", ".venv", "data", "runs"], "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "120"}}),
+        "--", sys.executable, "-m", "cluster.run", str(TWO_STAGE), f"run_dir={run_dir}",
+        f"defaults.data.train={smoke_dataset}", "stages.pretrain.optim.steps=400",
+    )  # fmt: skip
+    ckpts = run_dir / "pretrain" / "checkpoints"
+    deadline = time.time() + 240
+    while not list(ckpts.glob("step_*/COMPLETE.json")) and time.time() < deadline:
+        time.sleep(1)
+    assert list(ckpts.glob("step_*/COMPLETE.json")), "the stage never checkpointed"
+    cli(sys.executable, "-m", "vitpipe", "stop", sid, "--address", ray_cluster.dashboard_url)
+    while time.time() < deadline:
+        status = cli(ray_bin(), "job", "status", sid, "--address", ray_cluster.dashboard_url).stdout.lower()
+        if any(word in status for word in ("was stopped", "failed", "succeeded")):
+            break
+        time.sleep(1)
+    assert "was stopped" in status, status
+    logs = cli(ray_bin(), "job", "logs", sid, "--address", ray_cluster.dashboard_url).stdout
+    assert "stopped at step" in logs, logs[-3000:]
+    stopped = int(logs.split("stopped at step ")[1].split(":")[0])
+    assert (ckpts / "latest").read_text() == f"step_{stopped:08d}" and stopped < 400
+
+
+def test_a_client_without_the_token_is_refused(ray_cluster, tmp_path):
+    bad = tmp_path / "token"
+    bad.write_text("not-the-token")
+    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(bad), "RAY_AUTH_TOKEN": ""}
+    proc = cli(ray_bin(), "job", "list", "--address", ray_cluster.dashboard_url, env=env, check=False)
+    assert proc.returncode != 0
+    assert (
+        "401" in proc.stderr + proc.stdout
+        or "nauthorized" in proc.stderr + proc.stdout
+        or "uthenticat" in proc.stderr + proc.stdout
+    )
+    ok = cli(ray_bin(), "job", "list", "--address", ray_cluster.dashboard_url, env={"RAY_AUTH_MODE": "token"})
+    assert ok.returncode == 0
