@@ -1,12 +1,13 @@
-"""Start and stop a local Ray head on this machine, token authentication on, bound to 127.0.0.1.
+"""Start and stop a local Ray cluster on this machine: a head plus worker nodes, token auth on, 127.0.0.1.
 
-python -m cluster.local start --temp-dir /tmp/vp-ray     # prints the address
+python -m cluster.local start --worker-nodes 1      # prints RAY_ADDRESS and the Jobs API URL
 python -m cluster.local stop
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import socket
@@ -74,6 +75,17 @@ def start_head(temp_dir: str, num_cpus: int = 4, include_dashboard: bool = True)
     return LocalCluster(f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}", temp_dir)
 
 
+def add_worker_node(cluster: LocalCluster, num_cpus: int = 2, name: str = "worker1") -> None:
+    """A second Ray node on this machine (its own raylet and resources), joined to the head."""
+    cmd = [
+        _ray_bin(), "start", "--address", cluster.address, "--node-ip-address", "127.0.0.1",
+        "--num-cpus", str(num_cpus), "--resources", json.dumps({f"node:{name}": 1}), "--disable-usage-stats",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=auth_env(), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+
+
 def stop() -> None:
     subprocess.run([_ray_bin(), "stop", "--force"], env=auth_env(), capture_output=True, text=True)
 
@@ -83,11 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("start")
     s.add_argument("--temp-dir", default="/tmp/vitpipe-ray")
-    s.add_argument("--num-cpus", type=int, default=os.cpu_count() or 2)
+    s.add_argument("--num-cpus", type=int, default=os.cpu_count() or 2, help="CPUs of each node")
+    s.add_argument("--worker-nodes", type=int, default=1, help="extra Ray nodes on this machine")
     sub.add_parser("stop")
     args = p.parse_args(argv)
     if args.cmd == "start":
         c = start_head(args.temp_dir, args.num_cpus)
+        for i in range(args.worker_nodes):
+            add_worker_node(c, args.num_cpus, f"worker{i + 1}")
         print(f"RAY_ADDRESS={c.address}\nJobs API: {c.dashboard_url}\nclients need RAY_AUTH_MODE=token")
     else:
         stop()

@@ -154,3 +154,10 @@ def test_a_client_without_the_token_is_refused(ray_cluster, tmp_path):
     )
     ok = cli(ray_bin(), "job", "list", "--address", ray_cluster.dashboard_url, env={"RAY_AUTH_MODE": "token"})
     assert ok.returncode == 0
+
+
+def test_local_cluster_is_two_nodes_bound_to_loopback(ray_cluster):
+    proc = cli(ray_bin(), "status", "--address", ray_cluster.address, env={"RAY_AUTH_MODE": "token"})
+    active = proc.stdout.split("Active:")[1].split("Pending:")[0]
+    assert active.count("node_") == 2, proc.stdout
+    assert ray_cluster.dashboard_url.startswith("http://127.0.0.1:")
