@@ -1,49 +1,239 @@
-"""`vitpipe shard ...`: write datasets in the layout of `data_prep.layout`."""
+"""`vitpipe shard ...`: write a sharded WebDataset corpus in the layout of `data_prep.layout`, or verify one.
+
+vitpipe shard folder DIR OUT [--labels FILE] [--classes NAMES|FILE]
+vitpipe shard manifest FILE OUT [--classes NAMES|FILE]
+vitpipe shard synthetic OUT --num N --classes C [--labels-per-image 1.3] [--width 500 --height 375]
+vitpipe shard digits OUT [--size 32]
+vitpipe shard verify OUT [--workers N]
+
+Common options: --max-count, --max-size, --val-fraction, --resize-max, --quality, --workers, --ray,
+--max-errors, --seed, --name, --no-progress. A re-run with the same arguments resumes: complete shards
+are kept, the rest are written; the result is the same bytes as one uninterrupted run.
+"""
 
 from __future__ import annotations
 
 import argparse
-import time
+import re
+import shlex
+import sys
 
-from data_prep.synthetic import class_names, synthetic_samples
-from data_prep.writer import write_dataset
+from data_prep.build import BuildOptions, BuildReport, build_dataset
+from data_prep.executors import default_workers
+from data_prep.layout import ERRORS
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+
+
+def _byte_size(text: str) -> int:
+    """`--max-size`: bytes, or with a K/M/G/T suffix (powers of 1024): 512M, 1G, 1.5GiB."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 1000000, 512M or 1G")
+    n = float(m.group(1)) * 1024 ** "_kmgt".index((m.group(2) or "_").lower())
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a shard needs at least 1 byte")
+    return int(n)
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n}: must be at least 1")
+    return n
+
+
+def _fraction(text: str) -> float:
+    try:
+        f = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= f <= 1.0:
+        raise argparse.ArgumentTypeError(f"{f}: must be between 0 and 1")
+    return f
+
+
+def _mean_labels(text: str) -> float:
+    try:
+        f = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if f < 1.0:
+        raise argparse.ArgumentTypeError(f"{f}: every image has at least one label; use 1 or more")
+    return f
+
+
+def _shard_name(text: str) -> str:
+    if not re.match(r"^[A-Za-z0-9_-]+$", text):
+        raise argparse.ArgumentTypeError(f"{text!r}: use letters, digits, '_' or '-'")
+    return text
+
+
+def _common_options() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("sharding")
+    g.add_argument("--max-count", type=_positive, default=1000, help="samples per shard (default 1000)")
+    g.add_argument("--max-size", type=_byte_size, default=None, help="bytes per shard: 1000000, 512M, 1G")
+    g.add_argument(
+        "--val-fraction", type=_fraction, default=0.0, help="held-out fraction, by a hash of the key"
+    )
+    g.add_argument("--resize-max", type=_positive, default=None, metavar="PX",
+                   help="re-encode images whose longer side is over PX, same format")  # fmt: skip
+    g.add_argument("--quality", type=_positive, default=95,
+                   help="JPEG/WebP quality of re-encoded images (--resize-max; GIF/BMP/TIFF become PNG)")  # fmt: skip
+    g.add_argument(
+        "--workers", type=_positive, default=default_workers(), help="worker processes (default: all cores)"
+    )
+    g.add_argument(
+        "--ray", action="store_true", help="one Ray task per shard on the current cluster (RAY_ADDRESS)"
+    )
+    g.add_argument("--max-errors", type=_fraction, default=0.1, metavar="FRACTION",
+                   help="fail if more than this fraction of inputs is rejected (default 0.1)")  # fmt: skip
+    g.add_argument(
+        "--seed", type=int, default=0, help="generator seed (synthetic); shard order and split salt (others)"
+    )
+    g.add_argument(
+        "--name", type=_shard_name, default="shard", help="shard file prefix: OUT/SPLIT/NAME-000000.tar"
+    )
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    return p
+
+
+def _options(args: argparse.Namespace) -> BuildOptions:
+    return BuildOptions(
+        name=args.name, max_count=args.max_count, max_size=args.max_size, val_fraction=args.val_fraction,
+        resize_max=args.resize_max, quality=args.quality, workers=args.workers, use_ray=args.ray,
+        max_errors=args.max_errors, seed=args.seed, progress=args.progress,
+    )  # fmt: skip
+
+
+def _print_report(r: BuildReport) -> int:
+    rate = (r.num_new / r.seconds) if r.seconds > 0 else 0.0
+    resumed = f"; {r.resumed_shards} shards already complete, kept" if r.resumed_shards else ""
+    print(
+        f"wrote {r.num_written} images in {r.num_shards} shards to {r.out} in {r.seconds:.1f} s "
+        f"({rate:.0f} images/s{resumed}): {dict(sorted(r.totals.items()))}"
+    )
+    if r.num_errors:
+        top = ", ".join(f"{n} {kind}" for kind, n in sorted(r.reasons.items(), key=lambda kv: -kv[1])[:4])
+        print(f"rejected {r.num_errors} of {r.num_inputs} inputs ({top}); listed in {r.out / ERRORS}")
+    if r.over_size:
+        print(f"warning: {len(r.over_size)} shards exceed --max-size (re-encoded or generated images were "
+              f"larger than estimated): {', '.join(r.over_size[:5])}", file=sys.stderr)  # fmt: skip
+    if r.failure:
+        print(f"vitpipe shard: {r.failure}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run(source, args: argparse.Namespace) -> int:
+    options = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
+    command = "vitpipe " + shlex.join(sys.argv[1:])
+    return _print_report(build_dataset(source, args.out, _options(args), command=command, options=options))
+
+
+def _class_list(args: argparse.Namespace):
+    from data_prep.sources.labels import read_classes
+
+    return read_classes(args.classes) if args.classes else None
+
+
+def _folder(args: argparse.Namespace) -> int:
+    from data_prep.sources.folder import FolderSource
+
+    return _run(FolderSource(args.dir, args.labels, _class_list(args), seed=args.seed), args)
+
+
+def _manifest(args: argparse.Namespace) -> int:
+    from data_prep.sources.table import ManifestSource
+
+    return _run(ManifestSource(args.file, _class_list(args), seed=args.seed), args)
 
 
 def _synthetic(args: argparse.Namespace) -> int:
-    t0 = time.perf_counter()
-    samples = synthetic_samples(
+    from data_prep.sources.synthetic import SyntheticSource
+
+    source = SyntheticSource(
         args.num, args.classes, seed=args.seed, labels_per_image=args.labels_per_image,
-        width=args.width, height=args.height, val_fraction=args.val_fraction,
+        width=args.width, height=args.height,
     )  # fmt: skip
-    options = {k: v for k, v in vars(args).items() if k not in ("func", "command", "source")}
-    manifest = write_dataset(
-        args.out,
-        samples,
-        class_names(args.classes),
-        multi_label=True,
-        max_count=args.max_count,
-        options=options,
-    )
-    dt = time.perf_counter() - t0
-    n = sum(manifest.totals.values())
-    print(
-        f"wrote {n} images in {len(manifest.shards)} shards to {args.out} ({n / dt:.0f} images/s): {manifest.totals}"
-    )
+    return _run(source, args)
+
+
+def _digits(args: argparse.Namespace) -> int:
+    from data_prep.sources.digits import DigitsSource
+
+    return _run(DigitsSource(args.size, seed=args.seed), args)
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from data_prep.verify import verify_dataset
+
+    checks = verify_dataset(args.out, workers=args.workers)
+    bad = [c for c in checks if c.problems]
+    for c in bad:
+        for p in c.problems:
+            print(p, file=sys.stderr)
+    shards = [c for c in checks if c.shard.endswith(".tar")]
+    samples = sum(c.samples for c in shards)
+    if bad:
+        print(f"vitpipe shard verify: {len(bad)} of {len(checks)} files bad in {args.out}", file=sys.stderr)
+        return 1
+    print(f"verified {len(shards)} shards, {samples} samples in {args.out}: all OK")
     return 0
 
 
 def add_shard_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("shard", help="write a sharded WebDataset corpus")
+    p = sub.add_parser("shard", help="write a sharded WebDataset corpus, or verify one")
     src = p.add_subparsers(dest="source", required=True, metavar="SOURCE")
-    s = src.add_parser("synthetic", help="a generated JFT-like multi-label corpus")
+    common = [_common_options()]
+
+    s = src.add_parser(
+        "folder", parents=common, help="an image folder: DIR/CLASS/IMAGE, or flat with --labels"
+    )
+    s.add_argument("dir", help="input folder")
     s.add_argument("out", help="output dataset folder")
-    s.add_argument("--num", type=int, required=True, help="images to generate")
-    s.add_argument("--classes", type=int, required=True, help="number of classes")
-    s.add_argument("--labels-per-image", type=float, default=1.3, help="mean labels per image")
-    s.add_argument("--width", type=int, default=500)
-    s.add_argument("--height", type=int, default=375)
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--max-count", type=int, default=1000, help="samples per shard")
-    s.add_argument("--val-fraction", type=float, default=0.0, help="held-out fraction (hash of the key)")
+    s.add_argument("--labels", help="CSV or JSON: file name (relative to DIR) -> label or list of labels")
+    s.add_argument(
+        "--classes", help="class names in order: a,b,c or a file (one per line); others are rejected"
+    )
+    s.set_defaults(func=_folder)
+
+    s = src.add_parser(
+        "manifest", parents=common, help="a Parquet/CSV table: path, label|labels [, split, key]"
+    )
+    s.add_argument(
+        "file", help="manifest file (.parquet, .csv, .tsv); relative paths resolve against its folder"
+    )
+    s.add_argument("out", help="output dataset folder")
+    s.add_argument(
+        "--classes", help="class names in order: a,b,c or a file (one per line); others are rejected"
+    )
+    s.set_defaults(func=_manifest)
+
+    s = src.add_parser("synthetic", parents=common, help="a generated JFT-like multi-label corpus")
+    s.add_argument("out", help="output dataset folder")
+    s.add_argument("--num", type=_positive, required=True, help="images to generate")
+    s.add_argument("--classes", type=_positive, required=True, help="number of classes")
+    s.add_argument("--labels-per-image", type=_mean_labels, default=1.3, help="mean labels per image (>= 1)")
+    s.add_argument("--width", type=_positive, default=500, help="ImageNet-like default 500x375")
+    s.add_argument("--height", type=_positive, default=375)
     s.set_defaults(func=_synthetic)
+
+    s = src.add_parser(
+        "digits", parents=common, help="scikit-learn's bundled 8x8 digits (1,797), upsampled PNG"
+    )
+    s.add_argument("out", help="output dataset folder")
+    s.add_argument("--size", type=_positive, default=32, help="side of the stored images (default 32)")
+    s.set_defaults(func=_digits)
+
+    s = src.add_parser("verify", help="re-read every shard: counts, sha256, every image decodes")
+    s.add_argument("out", help="dataset folder")
+    s.add_argument(
+        "--workers", type=_positive, default=default_workers(), help="processes (default: all cores)"
+    )
+    s.set_defaults(func=_verify)
     return p

@@ -2,7 +2,13 @@
 
 OUT/manifest.json            format version, class names, per-shard counts and sha256, totals per split
 OUT/index.parquet            one row per sample: key, split, shard, labels, width, height, bytes, sha256
+OUT/errors.parquet           one row per rejected input: key, source, stage, reason (`vitpipe shard` only)
 OUT/{split}/{name}-{i:06d}.tar   plain WebDataset tar: KEY.jpg|png|webp + KEY.cls (single) or KEY.json (multi)
+OUT/.work/{split}/{name}-{i:06d}.json   per-shard sidecar: the plan's fingerprint, size, sha256, index rows;
+                             how a re-run of `vitpipe shard` knows a shard is complete and skips it
+
+The manifest is written last: its presence marks the dataset complete. Fields added after format
+version 1 (`name`, `num_inputs`, `num_errors`) have defaults, so older manifests still read.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from pathlib import Path
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 INDEX = "index.parquet"
+ERRORS = "errors.parquet"
+WORK = ".work"  # sidecars and scratch files of `vitpipe shard`; without it a re-run rewrites every shard
 
 
 class DatasetError(ValueError):
@@ -27,6 +35,11 @@ def shard_name(name: str, index: int) -> str:
 
 def shard_path(root: Path, split: str, name: str, index: int) -> Path:
     return Path(root) / split / shard_name(name, index)
+
+
+def sidecar_path(root: Path, split: str, name: str, index: int) -> Path:
+    """Where a shard's completion record lives (beside the data, never inside a split folder)."""
+    return Path(root) / WORK / split / f"{name}-{index:06d}.json"
 
 
 @dataclass
@@ -46,6 +59,9 @@ class Manifest:
     command: str = ""
     options: dict = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    name: str = "shard"  # shard file prefix
+    num_inputs: int = 0  # inputs listed, accepted or not (0: unknown, older writers)
+    num_errors: int = 0  # inputs rejected; listed in errors.parquet
 
     @property
     def totals(self) -> dict[str, int]:
@@ -66,10 +82,31 @@ class Manifest:
 def write_manifest(root: Path, manifest: Manifest) -> Path:
     """Atomic: a reader sees the old manifest or the new one, never half of one."""
     path = Path(root) / MANIFEST
-    tmp = path.with_name(MANIFEST + ".tmp")
-    tmp.write_text(manifest.to_json())
-    os.replace(tmp, path)
+    write_atomic(path, manifest.to_json().encode())
     return path
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write `path.tmp`, fsync, rename: after a crash the file is the old one or the new one, whole."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside `path` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_manifest(root: str | os.PathLike) -> Manifest:
@@ -91,6 +128,9 @@ def read_manifest(root: str | os.PathLike) -> Manifest:
             shards=shards,
             command=d.get("command", ""),
             options=d.get("options", {}),
+            name=d.get("name", "shard"),
+            num_inputs=int(d.get("num_inputs", 0)),
+            num_errors=int(d.get("num_errors", 0)),
         )
     except (KeyError, TypeError) as exc:
         raise DatasetError(f"{path}: manifest lacks or misshapes a field ({exc})") from None

@@ -50,10 +50,18 @@ def split_of(key: str, val_fraction: float) -> str:
     return "val" if (zlib.crc32(key.encode()) % 10_000) < val_fraction * 10_000 else "train"
 
 
+def _draw_labels(rng: np.random.Generator, num_classes: int, labels_per_image: float) -> list[int]:
+    n = min(num_classes, 1 + int(rng.poisson(labels_per_image - 1.0)))
+    return sorted(int(c) for c in rng.choice(num_classes, size=n, replace=False))
+
+
+def synthetic_key(seed: int, index: int) -> str:
+    return f"syn{seed:04d}_{index:09d}"
+
+
 def render(index: int, seed: int, num_classes: int, labels_per_image: float, width: int, height: int):
     rng = np.random.default_rng([seed, index])
-    n = min(num_classes, 1 + int(rng.poisson(labels_per_image - 1.0)))
-    labels = sorted(int(c) for c in rng.choice(num_classes, size=n, replace=False))
+    labels = _draw_labels(rng, num_classes, labels_per_image)
     base = rng.integers(0, 90, size=3)
     noise = rng.integers(0, 40, size=(height, width, 1))
     img = Image.fromarray((base + noise).clip(0, 255).astype(np.uint8))
@@ -81,5 +89,5 @@ def synthetic_samples(
         img, labels = render(i, seed, num_classes, labels_per_image, width, height)
         buf = io.BytesIO()
         img.save(buf, format="JPEG", quality=quality)
-        key = f"syn{seed:04d}_{i:09d}"
+        key = synthetic_key(seed, i)
         yield Sample(key, buf.getvalue(), "jpg", labels, width, height, split_of(key, val_fraction))

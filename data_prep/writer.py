@@ -7,7 +7,6 @@ its sha256 known, so a killed run never leaves a partial shard that looks comple
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import shlex
@@ -17,10 +16,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from data_prep.layout import INDEX, Manifest, ShardInfo, shard_path, write_manifest
+from data_prep.tario import add_member
 
 
 @dataclass
@@ -34,24 +31,16 @@ class Sample:
     split: str = "train"
 
 
-def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size = len(data)
-    info.mtime = 0  # deterministic bytes: the same input gives the same shard
-    info.mode = 0o644
-    tar.addfile(info, io.BytesIO(data))
-
-
 def write_shard(path: Path, samples: list[Sample], multi_label: bool) -> ShardInfo:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     with tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as tar:
         for s in samples:
-            _add(tar, f"{s.key}.{s.ext}", s.image)
+            add_member(tar, f"{s.key}.{s.ext}", s.image)
             if multi_label:
-                _add(tar, f"{s.key}.json", json.dumps({"labels": s.labels}).encode())
+                add_member(tar, f"{s.key}.json", json.dumps({"labels": s.labels}).encode())
             else:
-                _add(tar, f"{s.key}.cls", str(s.labels[0]).encode())
+                add_member(tar, f"{s.key}.cls", str(s.labels[0]).encode())
     digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
     size = tmp.stat().st_size
     os.replace(tmp, path)
@@ -69,8 +58,13 @@ def write_dataset(
 ) -> Manifest:
     """Stream samples into shards of at most `max_count` per split, then write index.parquet and manifest.json.
 
-    Memory holds at most one open shard per split, whatever the corpus size.
+    Memory holds at most one open shard per split, whatever the corpus size. (`vitpipe shard` uses
+    `data_prep.build` instead: planned, parallel and resumable; this is the small in-process writer.)
     """
+    # Imported here: `Sample` is imported by shard workers, which never need pyarrow.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     manifest = Manifest(

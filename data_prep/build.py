@@ -1,0 +1,261 @@
+"""`vitpipe shard SOURCE ... OUT`: plan, write shards in parallel, then index, errors and manifest.
+
+1. Plan (`plan.py`): list the source, assign every input to a shard; nothing is decoded yet.
+2. Write (`executors.py` -> `shard_worker.py`): whole shards, in this process, in worker processes
+   or as Ray tasks; a shard already complete from an earlier run (same fingerprint, size, sha256) is
+   skipped, so a killed run resumes where it stopped and ends with the same bytes.
+3. Finish: index.parquet and errors.parquet streamed from the per-shard sidecars, then manifest.json,
+   last, and only if the rejected fraction is within --max-errors.
+
+Memory: the planner's open shard per split, 2 x workers tasks in flight, one sidecar while finishing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import PIL
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
+from data_prep.executors import run_shards
+from data_prep.layout import (
+    ERRORS,
+    FORMAT_VERSION,
+    INDEX,
+    MANIFEST,
+    WORK,
+    DatasetError,
+    Manifest,
+    ShardInfo,
+    write_manifest,
+)
+from data_prep.plan import ErrorLog, Planner
+from data_prep.shard_worker import ShardJob, ShardResult, read_sidecar
+from data_prep.sources import Source
+
+log = logging.getLogger(__name__)
+WRITER_VERSION = 1  # bump when the same inputs and options would give different shard bytes
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    name: str = "shard"
+    max_count: int = 1000
+    max_size: int | None = None  # bytes per shard
+    val_fraction: float = 0.0
+    resize_max: int | None = None  # longer side, pixels
+    quality: int = 95  # JPEG/WebP quality when an image must be re-encoded
+    workers: int = 1
+    use_ray: bool = False
+    max_errors: float = 0.1  # fraction of inputs that may be rejected before the run fails
+    seed: int = 0
+    progress: bool = True
+
+
+@dataclass
+class BuildReport:
+    out: Path
+    num_inputs: int = 0
+    num_written: int = 0
+    num_new: int = 0  # written by this run (not kept from an earlier one): what images/s counts
+    num_errors: int = 0
+    totals: dict[str, int] = field(default_factory=dict)
+    num_shards: int = 0
+    resumed_shards: int = 0
+    seconds: float = 0.0
+    over_size: list[str] = field(default_factory=list)  # shards past --max-size (re-encoded estimates)
+    reasons: dict[str, int] = field(default_factory=dict)  # rejection reason (first words) -> count
+    failure: str | None = None  # set when --max-errors is exceeded; no manifest is written then
+    manifest: Manifest | None = None
+
+
+def job_fingerprint(source: Source, opts: BuildOptions) -> str:
+    """Everything besides the items that changes a shard's bytes; part of every shard's fingerprint."""
+    parts = {
+        "format_version": FORMAT_VERSION, "writer": WRITER_VERSION, "source": source.describe(),
+        "multi_label": source.multi_label, "resize_max": opts.resize_max, "quality": opts.quality,
+        "pillow": PIL.__version__,
+    }  # fmt: skip
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def _progress(total: int | None, enabled: bool) -> tqdm:
+    tty = sys.stderr.isatty()
+    return tqdm(
+        total=total, unit="img", desc="shard", file=sys.stderr, disable=not enabled,
+        mininterval=0.5 if tty else 15.0, smoothing=0.05, dynamic_ncols=True,
+    )  # fmt: skip
+
+
+def build_dataset(
+    source: Source, out: str | os.PathLike, opts: BuildOptions, command: str = "", options: dict | None = None
+) -> BuildReport:
+    t0 = time.perf_counter()
+    root = Path(out)
+    if root.exists() and not root.is_dir():
+        raise DatasetError(f"{root}: exists and is not a folder")
+    root.mkdir(parents=True, exist_ok=True)
+    # The manifest marks a complete dataset; shards are about to change, so it goes first.
+    (root / MANIFEST).unlink(missing_ok=True)
+    planner = Planner(
+        root, source, job_fingerprint(source, opts), name=opts.name, max_count=opts.max_count,
+        max_size=opts.max_size, val_fraction=opts.val_fraction, seed=opts.seed,
+    )  # fmt: skip
+    if source.mix:  # the whole listing comes first (hash order): count it where people can see
+        with tqdm(
+            unit="file", desc="listing", file=sys.stderr, disable=not opts.progress, mininterval=1.0
+        ) as bar:
+            planner.on_input = bar.update
+            total = planner.prepare()
+        planner.on_input = None
+    else:
+        total = planner.prepare()
+    if planner.num_inputs == 0 and source.mix:
+        raise DatasetError(f"{source.where}: no inputs found")
+    job = ShardJob(str(root), opts.name, source.loader(), source.multi_label, opts.resize_max, opts.quality)
+    results: dict[tuple[str, int], ShardResult] = {}
+    bar = _progress(total, opts.progress)
+    try:
+        for r in run_shards(planner.tasks(), job, opts.workers, opts.use_ray):
+            results[(r.split, r.index)] = r
+            if r.resumed and bar.total:  # not work done now: keep images/s and the ETA honest
+                bar.total -= r.planned
+                bar.refresh()
+            else:
+                bar.update(r.planned)
+    finally:
+        bar.close()
+    if planner.num_inputs == 0:
+        raise DatasetError(f"{source.where}: no inputs found")
+    report = _finish(root, source, opts, planner, results, command, options or {})
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _finish(
+    root: Path,
+    source: Source,
+    opts: BuildOptions,
+    planner: Planner,
+    results: dict[tuple[str, int], ShardResult],
+    command: str,
+    options: dict,
+) -> BuildReport:
+    ordered = [results[k] for k in sorted(results)]
+    _remove_stale(root, opts.name, ordered)
+    _write_index(root, opts.name, ordered, source.multi_label)
+    reasons = _write_errors(root, opts.name, ordered, planner.errors.path)
+    report = BuildReport(out=root, num_inputs=planner.num_inputs, reasons=reasons)
+    report.num_errors = sum(reasons.values())
+    report.num_written = sum(r.count for r in ordered)
+    report.num_new = sum(r.count for r in ordered if not r.resumed)
+    report.num_shards = sum(1 for r in ordered if r.count)
+    report.resumed_shards = sum(1 for r in ordered if r.resumed)
+    report.over_size = [r.path for r in ordered if opts.max_size and r.bytes > opts.max_size]
+    for r in ordered:
+        report.totals[r.split] = report.totals.get(r.split, 0) + r.count
+    fraction = report.num_errors / max(1, report.num_inputs)
+    if fraction > opts.max_errors:
+        report.failure = (
+            f"{report.num_errors} of {report.num_inputs} inputs rejected ({fraction:.1%}), more than "
+            f"--max-errors {opts.max_errors:g}; see {root / ERRORS}. No manifest written. Fix the inputs, "
+            f"or re-run with a higher --max-errors to accept them (complete shards are reused)."
+        )
+        return report
+    manifest = Manifest(
+        classes=list(source.classes), multi_label=source.multi_label,
+        shards=[ShardInfo(r.split, r.path, r.count, r.bytes, r.sha256) for r in ordered if r.count],
+        command=command, options=options, name=opts.name,
+        num_inputs=report.num_inputs, num_errors=report.num_errors,
+    )  # fmt: skip
+    write_manifest(root, manifest)  # last: its presence marks the dataset complete
+    report.manifest = manifest
+    return report
+
+
+def _remove_stale(root: Path, name: str, results: list[ShardResult]) -> None:
+    """Shards and sidecars of this name that the plan no longer has (an earlier, larger run)."""
+    pattern = re.compile(rf"^{re.escape(name)}-\d{{6}}\.(tar|tar\.tmp|json|json\.tmp)$")
+    keep_shards = {r.path for r in results if r.count}
+    keep_sides = {f"{r.split}/{Path(r.path).stem}.json" for r in results}
+    for base, keep in ((root, keep_shards), (root / WORK, keep_sides)):
+        if not base.is_dir():
+            continue
+        for folder in base.iterdir():
+            if not folder.is_dir() or folder.name.startswith(".") or folder.name in ("order",):
+                continue
+            for f in folder.iterdir():
+                if pattern.match(f.name) and f"{folder.name}/{f.name}" not in keep:
+                    f.unlink()
+
+
+def _index_schema(multi_label: bool) -> pa.Schema:
+    label = pa.field("labels", pa.list_(pa.int64())) if multi_label else pa.field("label", pa.int64())
+    return pa.schema([
+        ("key", pa.string()), ("split", pa.string()), ("shard", pa.string()), label,
+        ("width", pa.int32()), ("height", pa.int32()), ("bytes", pa.int64()), ("sha256", pa.string()),
+        ("source", pa.string()),
+    ])  # fmt: skip
+
+
+def _write_index(root: Path, name: str, results: list[ShardResult], multi_label: bool) -> None:
+    schema = _index_schema(multi_label)
+    tmp = root / (INDEX + ".tmp")
+    with pq.ParquetWriter(tmp, schema) as writer:
+        for r in results:
+            rows = read_sidecar(root, name, r.split, r.index)["rows"]
+            if not multi_label:
+                rows["label"] = [labels[0] for labels in rows.pop("labels")]
+            writer.write_table(pa.table({f.name: rows[f.name] for f in schema}, schema=schema))
+    os.replace(tmp, root / INDEX)
+
+
+def _reason_kind(reason: str) -> str:
+    """ "unknown label 'x'" -> "unknown label": the reason without its particulars, for the summary."""
+    head = re.split(r":| \(", reason, maxsplit=1)[0]
+    words = [w for w in head.split() if not re.search(r"[\d'\"/\\]", w)]
+    return " ".join(words) or reason
+
+
+def _write_errors(root: Path, name: str, results: list[ShardResult], listing_log: Path) -> dict[str, int]:
+    """errors.parquet: listing rejections, then each shard's; returns counts per kind of reason."""
+    schema = pa.schema([
+        ("key", pa.string()), ("source", pa.string()), ("stage", pa.string()),
+        ("reason", pa.string()), ("shard", pa.string()),
+    ])  # fmt: skip
+    counts: dict[str, int] = {}
+    tmp = root / (ERRORS + ".tmp")
+
+    def batches():
+        batch: list[tuple] = []
+        for key, src, reason in ErrorLog.read(listing_log):
+            batch.append((key, src, "listing", reason, None))
+            if len(batch) >= 10_000:
+                yield batch
+                batch = []
+        yield batch
+        for r in results:
+            if r.rejected:
+                errs = read_sidecar(root, name, r.split, r.index)["errors"]
+                yield [(k, s, "decode", reason, r.path) for k, s, reason in errs]
+
+    with pq.ParquetWriter(tmp, schema) as writer:
+        for batch in batches():
+            for row in batch:
+                kind = _reason_kind(row[3])
+                counts[kind] = counts.get(kind, 0) + 1
+            columns = list(zip(*batch)) if batch else [[] for _ in schema]
+            writer.write_table(pa.table([list(c) for c in columns], schema=schema))
+    os.replace(tmp, root / ERRORS)
+    listing_log.unlink(missing_ok=True)
+    return counts

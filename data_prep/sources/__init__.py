@@ -1,0 +1,65 @@
+"""Where samples come from: a source lists inputs (driver side) and makes a loader (worker side).
+
+A source's `listing()` streams `Item`s (and `ListingError`s for inputs it can already reject: missing,
+empty, unlabelled, unknown label) without reading any image. Its `loader()` is a small picklable object
+that a shard worker, a process or a Ray task, uses to turn one item into stored image bytes.
+
+folder.py    an image folder: one sub-folder per class, or flat with a labels file
+table.py     a Parquet or CSV manifest of paths and labels
+files.py     the loader both of them share (read the file, check, maybe resize)
+synthetic.py the generated JFT-like multi-label corpus
+digits.py    scikit-learn's bundled 8x8 digits, upsampled
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from data_prep.images import Prepared
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One input planned into a shard: everything but its pixels."""
+
+    key: str
+    source: str  # what a person reads in errors.parquet / index.parquet: a path, "synthetic:17"
+    labels: tuple[int, ...]  # () where the loader draws them with the pixels (synthetic)
+    est_bytes: int  # the stored image's size where known (a file kept as is), else an estimate
+    stamp: str = ""  # changes when the input does (size:mtime of a file): a re-run rewrites its shard
+    split: str | None = None  # an explicit split (manifest column); None: by a hash of the key
+    payload: bytes | None = None  # inline pixels of a tiny generated input (digits)
+
+
+@dataclass(frozen=True, slots=True)
+class ListingError:
+    key: str
+    source: str
+    reason: str
+
+
+class Loader(Protocol):
+    def load(self, item: Item, resize_max: int | None, quality: int) -> Prepared:
+        """Stored bytes of one item; raises `images.Rejected` (or OSError) for a bad input."""
+        ...
+
+
+class Source(Protocol):
+    kind: str
+    where: str  # what to name in a message: the folder, the manifest file, "synthetic"
+    classes: list[str]
+    multi_label: bool
+    mix: bool  # True: shards hold items in a seeded hash order (classes mixed); False: listing order
+    split_salt: int  # salt of the train/val hash (0 keeps `synthetic.split_of`)
+
+    def describe(self) -> dict:
+        """Parameters that change stored bytes: part of every shard's fingerprint."""
+        ...
+
+    def count_hint(self) -> int | None: ...
+
+    def listing(self) -> Iterator[Item | ListingError]: ...
+
+    def loader(self) -> Loader: ...

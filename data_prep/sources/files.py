@@ -1,0 +1,61 @@
+"""Image files on a file system: the listing entry of one file, and the loader shard workers use."""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from data_prep.images import Prepared, Rejected, prepare_encoded
+from data_prep.sources import Item, ListingError
+
+
+def file_item(path: Path, key: str, labels: tuple[int, ...], split: str | None = None) -> Item | ListingError:
+    """Stat only: a missing, special or empty file is rejected before any worker opens it."""
+    source = str(path)
+    try:
+        st = path.stat()
+    except OSError as exc:
+        return ListingError(key, source, f"cannot read: {exc.strerror or exc}")
+    if not stat.S_ISREG(st.st_mode):
+        return ListingError(key, source, "not a regular file")
+    if st.st_size == 0:
+        return ListingError(key, source, "empty file (0 bytes)")
+    return Item(key, source, labels, st.st_size, f"{st.st_size}:{st.st_mtime_ns}", split)
+
+
+@dataclass(frozen=True)
+class FileLoader:
+    def load(self, item: Item, resize_max: int | None, quality: int) -> Prepared:
+        try:
+            with open(item.source, "rb") as f:
+                data = f.read()
+        except OSError as exc:
+            raise Rejected(f"cannot read: {exc.strerror or exc}") from None
+        return prepare_encoded(data, resize_max, quality)
+
+
+def walk_files(root: Path, skip: set[Path] | None = None):
+    """Regular files under `root` in sorted order, hidden names skipped; yields paths relative to root.
+
+    Sorted per folder with os.scandir: the same listing on every machine, one folder in memory at a time.
+    """
+    skip = skip or set()
+    stack = [root]
+    while stack:
+        folder = stack.pop()
+        try:
+            entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError:
+            continue
+        subdirs = []
+        for e in entries:
+            if e.name.startswith("."):
+                continue
+            path = Path(e.path)
+            if e.is_dir(follow_symlinks=False):
+                subdirs.append(path)
+            elif path not in skip:
+                yield path.relative_to(root)
+        stack.extend(reversed(subdirs))  # depth first, in name order

@@ -1,0 +1,333 @@
+"""`vitpipe shard`: every source through the real CLI, bad inputs, resume after SIGKILL, verify, bounds.
+
+.venv/bin/python -m pytest tests/test_shard.py -q
+"""
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import webdataset as wds
+from PIL import Image
+
+from data_prep.layout import read_manifest
+
+pytestmark = pytest.mark.unit
+REPO = Path(__file__).resolve().parents[1]
+
+
+def shard(*args, env=None, expect=0) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "vitpipe", "shard", *map(str, args)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == expect, f"{cmd} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc
+
+
+def shard_hashes(root: Path) -> dict[str, str]:
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.glob("*/*.tar"))
+    }
+
+
+def save(img: Image.Image, path: Path, fmt: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img.save(path, fmt)
+
+
+def noise(rng, w: int, h: int) -> Image.Image:
+    return Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))
+
+
+@pytest.fixture(scope="module")
+def class_folder(tmp_path_factory) -> Path:
+    """cat/ and dog/ with 10 good images each (jpg, png, webp), plus one of every kind of bad input."""
+    root = tmp_path_factory.mktemp("folder") / "in"
+    rng = np.random.default_rng(0)
+    for c in ("cat", "dog"):
+        for i in range(10):
+            fmt, ext = [("JPEG", "jpg"), ("PNG", "png"), ("WEBP", "webp")][i % 3]
+            save(
+                noise(rng, int(rng.integers(40, 90)), int(rng.integers(40, 90))),
+                root / c / f"img {i}.{ext}",
+                fmt,
+            )
+    (root / "cat" / "empty.jpg").write_bytes(b"")
+    (root / "cat" / "notes.txt").write_text("not an image")
+    good = (root / "dog" / "img 0.jpg").read_bytes()
+    (root / "dog" / "truncated.jpg").write_bytes(good[: len(good) // 2])
+    (root / "dog" / "img 1.jpeg").write_bytes(good)  # key dog/img_1 again: a duplicate
+    return root
+
+
+BAD_FOLDER_KEYS = {"cat/empty", "cat/notes", "dog/truncated", "dog/img_1"}
+
+
+def test_folder_source_skips_and_lists_bad_inputs(class_folder, tmp_path):
+    out = tmp_path / "out"
+    proc = shard("folder", class_folder, out, "--max-count", 6, "--workers", 1, "--max-errors", 0.5)
+    assert "rejected 4 of 24 inputs" in proc.stdout
+    errors = pq.read_table(out / "errors.parquet").to_pylist()
+    assert {e["key"] for e in errors} == BAD_FOLDER_KEYS
+    reasons = {e["key"]: e["reason"] for e in errors}
+    assert reasons["cat/empty"].startswith("empty file")
+    assert reasons["cat/notes"].startswith("not an image")
+    assert "truncated" in reasons["dog/truncated"]
+    assert reasons["dog/img_1"].startswith("duplicate key")
+
+    m = read_manifest(out)
+    assert m.classes == ["cat", "dog"] and not m.multi_label
+    assert m.totals == {"train": 20} and m.num_inputs == 24 and m.num_errors == 4
+    assert all(s.count <= 6 for s in m.shards)
+    urls = [str(out / s.path) for s in m.shards]
+    listing = subprocess.run(
+        ["tar", "-tf", urls[0]], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert listing[0].rsplit(".", 1)[1] in ("jpg", "png", "webp") and listing[1].endswith(".cls")
+    samples = list(wds.WebDataset(urls, shardshuffle=False).decode("pil"))
+    assert len(samples) == 20
+    classes = {s["__key__"].split("/")[0]: s["cls"] for s in samples}
+    assert classes == {"cat": 0, "dog": 1}
+    # The hash order mixes classes into every shard (a class-sorted listing would not).
+    first = [k for k in listing if k.endswith(".cls")]
+    assert len({k.split("/")[0] for k in first}) == 2
+
+    index = pq.read_table(out / "index.parquet").to_pylist()
+    assert len(index) == 20 and {
+        "key",
+        "split",
+        "shard",
+        "label",
+        "width",
+        "height",
+        "bytes",
+        "sha256",
+    } <= set(index[0])
+    row = next(r for r in index if r["key"] == "cat/img_1")  # stored as is: the file's own bytes
+    assert row["sha256"] == hashlib.sha256((class_folder / "cat" / "img 1.png").read_bytes()).hexdigest()
+    shard("verify", out)
+
+
+def test_max_errors_exceeded_fails_without_manifest(class_folder, tmp_path):
+    out = tmp_path / "out"
+    proc = shard("folder", class_folder, out, "--workers", 1, "--max-errors", 0.1, expect=1)
+    assert "4 of 24 inputs rejected" in proc.stderr and "--max-errors 0.1" in proc.stderr
+    assert not (out / "manifest.json").exists() and (out / "errors.parquet").is_file()
+    # Accepting them re-uses the complete shards.
+    proc = shard("folder", class_folder, out, "--workers", 1, "--max-errors", 0.5)
+    assert "already complete" in proc.stdout and (out / "manifest.json").is_file()
+
+
+def test_flat_folder_with_labels_file_rejects_unknown_and_unlabelled(tmp_path):
+    rng = np.random.default_rng(1)
+    src = tmp_path / "flat"
+    for i in range(6):
+        save(noise(rng, 32, 24), src / f"p{i}.jpg", "JPEG")
+    rows = [
+        "file,label",
+        "p0.jpg,cat",
+        "p1.jpg,dog",
+        "p2.jpg,cat",
+        "p3.jpg,bird",
+        "p4.jpg,dog",
+        "gone.jpg,cat",
+    ]
+    (src / "labels.csv").write_text("\n".join(rows) + "\n")  # p5 has no label; gone.jpg no file
+    out = tmp_path / "out"
+    shard(
+        "folder",
+        src,
+        out,
+        "--labels",
+        src / "labels.csv",
+        "--classes",
+        "cat,dog",
+        "--max-errors",
+        1,
+        "--workers",
+        1,
+    )
+    reasons = {e["key"]: e["reason"] for e in pq.read_table(out / "errors.parquet").to_pylist()}
+    assert reasons["p3"] == "unknown label 'bird'"
+    assert reasons["p5"].startswith("no label in")
+    assert "but no such file" in reasons["gone"]
+    index = {r["key"]: r["label"] for r in pq.read_table(out / "index.parquet").to_pylist()}
+    assert index == {"p0": 0, "p1": 1, "p2": 0, "p4": 1}
+
+
+def test_cli_errors_name_the_file_and_what_was_expected(tmp_path):
+    proc = shard("folder", tmp_path / "nope", tmp_path / "out", expect=2)
+    assert f"{tmp_path / 'nope'}: no such folder" in proc.stderr
+    bad = tmp_path / "bad.csv"
+    bad.write_text("filename,category\na.jpg,cat\n")
+    proc = shard("manifest", bad, tmp_path / "out", expect=2)
+    assert (
+        str(bad) in proc.stderr and "expected a 'path' column and a 'label' or 'labels' column" in proc.stderr
+    )
+    assert "found: filename, category" in proc.stderr
+
+
+def test_manifest_multi_label_with_splits_writes_json_labels(tmp_path):
+    rng = np.random.default_rng(2)
+    for i in range(8):
+        save(noise(rng, 40, 30), tmp_path / "imgs" / f"m{i}.png", "PNG")
+    table = pa.table({
+        "path": [f"imgs/m{i}.png" for i in range(8)] + [str(tmp_path / "imgs" / "m0.png")],
+        "labels": [["sky"], ["sea", "sky"], ["tree"], [], ["sea"], ["tree", "sky"], ["sea"], ["sky"], ["sky"]],
+        "split": ["train"] * 6 + ["test", "test", None],
+    })  # fmt: skip
+    pq.write_table(table, tmp_path / "manifest.parquet")
+    out = tmp_path / "out"
+    shard("manifest", tmp_path / "manifest.parquet", out, "--workers", 1, "--max-errors", 0.5)
+    m = read_manifest(out)
+    assert m.multi_label and m.classes == ["sea", "sky", "tree"]
+    assert m.totals == {"train": 6, "test": 2}  # the absolute-path row is a duplicate of m0
+    samples = list(wds.WebDataset([str(out / s.path) for s in m.split_shards("train")], shardshuffle=False))
+    labels = {s["__key__"]: json.loads(s["json"])["labels"] for s in samples}
+    assert labels["imgs/m1"] == [0, 1] and labels["imgs/m3"] == [] and all("png" in s for s in samples)
+
+
+def test_digits_source(tmp_path):
+    out = tmp_path / "digits"
+    proc = shard("digits", out, "--size", 16, "--val-fraction", 0.2, "--workers", 2)
+    assert "1797 images" in proc.stdout
+    m = read_manifest(out)
+    assert m.classes == [str(d) for d in range(10)] and not m.multi_label
+    assert sum(m.totals.values()) == 1797 and 250 < m.totals["val"] < 470
+    sample = next(iter(wds.WebDataset(str(out / m.shards[0].path), shardshuffle=False).decode("pil")))
+    assert sample["png"].size == (16, 16) and 0 <= sample["cls"] < 10
+
+
+def test_synthetic_labels_per_image_and_two_workers_match_one(tmp_path):
+    args = [
+        "--num",
+        60,
+        "--classes",
+        12,
+        "--labels-per-image",
+        2.5,
+        "--width",
+        48,
+        "--height",
+        36,
+        "--max-count",
+        8,
+    ]
+    shard("synthetic", tmp_path / "w1", *args, "--workers", 1, "--val-fraction", 0.2)
+    shard("synthetic", tmp_path / "w2", *args, "--workers", 2, "--val-fraction", 0.2)
+    one, two = shard_hashes(tmp_path / "w1"), shard_hashes(tmp_path / "w2")
+    assert one == two and len(one) >= 8
+    assert (tmp_path / "w1" / "index.parquet").read_bytes() == (
+        tmp_path / "w2" / "index.parquet"
+    ).read_bytes()
+    labels = pq.read_table(tmp_path / "w1" / "index.parquet").column("labels").to_pylist()
+    assert 2.0 < np.mean([len(x) for x in labels]) < 3.0
+    assert pq.read_table(tmp_path / "w1" / "index.parquet").column("width").to_pylist()[0] == 48
+
+
+def test_killed_run_resumes_to_the_same_shards(tmp_path):
+    args = ["--num", 240, "--classes", 10, "--max-count", 20, "--width", 320, "--height", 240, "--workers", 1]
+    shard("synthetic", tmp_path / "whole", *args, "--no-progress")
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vitpipe", "shard", "synthetic", str(killed), *map(str, args)],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while len(list(killed.glob("train/*.tar"))) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)  # the whole group: nothing finishes the run behind our back
+    proc.wait()
+    assert not (killed / "manifest.json").exists(), "the run finished before it was killed"
+    done_before = set(shard_hashes(killed))
+    assert 2 <= len(done_before) < 12
+    out = shard("synthetic", killed, *args, "--no-progress")
+    assert "already complete" in out.stdout
+    assert shard_hashes(killed) == shard_hashes(tmp_path / "whole")
+    assert not list(killed.rglob("*.tmp"))
+    assert read_manifest(killed).shards == read_manifest(tmp_path / "whole").shards
+
+
+def _flip_byte_in(shard_path: Path, member_suffix: str) -> str:
+    with tarfile.open(shard_path) as tar:
+        member = next(m for m in tar.getmembers() if m.name.endswith(member_suffix))
+    data = bytearray(shard_path.read_bytes())
+    data[member.offset_data + member.size // 2] ^= 0xFF
+    shard_path.write_bytes(bytes(data))
+    return member.name.rsplit(".", 1)[0]
+
+
+def test_verify_names_the_shard_and_key_of_a_flipped_byte(tmp_path):
+    out = tmp_path / "syn"
+    shard(
+        "synthetic",
+        out,
+        "--num",
+        30,
+        "--classes",
+        5,
+        "--width",
+        40,
+        "--height",
+        30,
+        "--max-count",
+        10,
+        "--workers",
+        1,
+    )
+    shard("verify", out, "--workers", 1)
+    bad = out / "train" / "shard-000001.tar"
+    key = _flip_byte_in(bad, ".jpg")
+    proc = shard("verify", out, "--workers", 2, expect=1)
+    assert "bad shard train/shard-000001.tar: sha256 differs" in proc.stderr
+    assert f"bad shard train/shard-000001.tar key {key}: image bytes differ" in proc.stderr
+    assert "shard-000000" not in proc.stderr and "shard-000002" not in proc.stderr
+
+
+def test_resize_max_bounds_the_longer_side_and_keeps_the_format(tmp_path):
+    rng = np.random.default_rng(3)
+    src = tmp_path / "big"
+    save(noise(rng, 300, 120), src / "a" / "wide.jpg", "JPEG")
+    save(noise(rng, 90, 200), src / "a" / "tall.png", "PNG")
+    save(noise(rng, 50, 40), src / "b" / "small.webp", "WEBP")
+    out = tmp_path / "out"
+    shard("folder", src, out, "--resize-max", 64, "--workers", 1)
+    rows = {r["key"]: r for r in pq.read_table(out / "index.parquet").to_pylist()}
+    assert (rows["a/wide"]["width"], rows["a/wide"]["height"]) == (64, 26)
+    assert (rows["a/tall"]["width"], rows["a/tall"]["height"]) == (29, 64)
+    assert (rows["b/small"]["width"], rows["b/small"]["height"]) == (50, 40)  # already small: as is
+    names = tarfile.open(out / read_manifest(out).shards[0].path).getnames()
+    assert {"a/wide.jpg", "a/tall.png", "b/small.webp"} <= set(names)
+    samples = wds.WebDataset(str(out / read_manifest(out).shards[0].path), shardshuffle=False).decode("pil")
+    assert all(max(next(v for k, v in s.items() if k in ("jpg", "png", "webp")).size) <= 64 for s in samples)
+
+
+def test_max_size_bounds_shard_bytes(class_folder, tmp_path):
+    out = tmp_path / "out"
+    limit = 64 * 1024
+    shard("folder", class_folder, out, "--max-size", "64K", "--workers", 1, "--max-errors", 0.5)
+    m = read_manifest(out)
+    assert len(m.shards) > 2 and all(s.bytes <= limit for s in m.shards)
+    assert all((out / s.path).stat().st_size == s.bytes for s in m.shards)
+    assert sum(m.totals.values()) == 20
+
+
+@pytest.mark.ray
+def test_ray_tasks_write_the_same_shards(ray_cluster, tmp_path):
+    args = ["--num", 40, "--classes", 6, "--width", 32, "--height", 32, "--max-count", 10]
+    shard("synthetic", tmp_path / "local", *args, "--workers", 1)
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.address, "RAY_AUTH_MODE": "token"}
+    shard("synthetic", tmp_path / "ray", *args, "--ray", env=env)
+    assert shard_hashes(tmp_path / "ray") == shard_hashes(tmp_path / "local")
+    assert read_manifest(tmp_path / "ray").shards == read_manifest(tmp_path / "local").shards
