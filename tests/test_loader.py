@@ -1,0 +1,368 @@
+"""The streaming loader through the real DataLoader: coverage per epoch, equal batch counts per rank
+(a 2-rank gloo run), corrupt data, resume in both modes, the eval loader, URL inputs, RandAugment.
+
+    .venv/bin/python -m pytest tests/test_loader.py -q
+"""
+
+import io
+import itertools
+import json
+import shutil
+from collections import Counter
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from PIL import Image
+
+from data_prep.layout import DatasetError, read_manifest
+from data_prep.synthetic import class_names, render, synthetic_samples
+from data_prep.writer import write_dataset
+from pipeline.data import transforms
+from pipeline.data.loader import (
+    ShardStream,
+    dataset_info,
+    epoch_batches,
+    make_eval_loader,
+    make_train_loader,
+)
+
+pytestmark = pytest.mark.unit
+IMG = 16
+CLASSES = 6
+
+
+def write(root: Path, num: int, max_count: int, multi_label: bool = True, seed: int = 1, **kw) -> dict:
+    """A small dataset; returns {key: labels}."""
+    samples = list(synthetic_samples(num, CLASSES, seed=seed, width=24, height=20, **kw))
+    write_dataset(root, samples, class_names(CLASSES), multi_label=multi_label, max_count=max_count)
+    return {s.key: s.labels for s in samples}
+
+
+@pytest.fixture(scope="module")
+def even(tmp_path_factory):
+    """64 multi-label samples in 8 shards of 8: 2 ranks x 2 workers x 2 shards, nothing dropped."""
+    root = tmp_path_factory.mktemp("even")
+    return root, write(root, 64, 8)
+
+
+@pytest.fixture(scope="module")
+def uneven(tmp_path_factory):
+    """90 samples in 12 shards of 7 and one of 6."""
+    root = tmp_path_factory.mktemp("uneven")
+    return root, write(root, 90, 7)
+
+
+def train_loader(root, **kw):
+    args = dict(rank=0, world_size=1, batch_size=4, img_size=IMG, seed=0, num_workers=0, shuffle_buffer=16)
+    return make_train_loader(root, **{**args, **kw})[0]
+
+
+def take(loader, n: int | None = None) -> list[dict]:
+    it = iter(loader)
+    out = list(itertools.islice(it, n))
+    del it  # shuts the workers of an endless stream down
+    return out
+
+
+def keys_of(batches: list[dict]) -> list[str]:
+    return [k for b in batches for k in b["key"]]
+
+
+def assert_same_batches(a: list[dict], b: list[dict]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x["key"] == y["key"]
+        assert torch.equal(x["image"], y["image"]) and torch.equal(x["target"], y["target"])
+
+
+# -- epochs: coverage, equal counts, order
+
+
+def test_every_key_once_per_epoch_over_2_ranks_x_2_workers_through_the_dataloader(even):
+    root, labels = even
+    per_rank = [take(train_loader(root, rank=r, world_size=2, num_workers=2, epochs=2)) for r in range(2)]
+    e = train_loader(root, world_size=2, num_workers=2).dataset.epoch_batches
+    assert e == 8 and [len(b) for b in per_rank] == [2 * e, 2 * e]
+    for epoch in range(2):
+        keys = [k for batches in per_rank for k in keys_of(batches[epoch * e : (epoch + 1) * e])]
+        assert Counter(keys) == Counter(labels.keys())  # every key exactly once
+    assert keys_of(per_rank[0][:e]) != keys_of(per_rank[0][e:])
+
+
+def test_epoch_batches_is_a_bound_for_every_epochs_deal(uneven):
+    root, _ = uneven
+    info = dataset_info(root)
+    assert sorted(info.shard_counts) == [6] + [7] * 12
+    # 4 slots: each gets at least 3 shards, at worst 6 + 7 + 7 = 20 samples -> 5 batches of 4.
+    assert epoch_batches(info, 2, 4, num_workers=2) == 2 * 5 == info.epoch_batches(2, 4, 2)
+    assert epoch_batches(info, 2, 4) == (6 + 7 * 5) // 4  # one worker: 6 shards each at worst
+    counts = dict(zip(info.urls, info.shard_counts))
+    streams = [
+        ShardStream(info, rank=r, world_size=2, batch_size=4, img_size=IMG, seed=s, num_workers=2)
+        for r in range(2)
+        for s in range(3)
+    ]
+    for stream, epoch, worker in itertools.product(streams, range(20), range(2)):
+        samples = sum(counts[u] for u in stream.shards_for(epoch, worker, 2))
+        assert samples // 4 >= stream.epoch_batches // 2
+
+
+def _uneven_rank(rank: int, root: str, store: str, out: str) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
+    loader, _ = make_train_loader(
+        root, rank=rank, world_size=2, batch_size=4, img_size=IMG, seed=0, num_workers=2,
+        shuffle_buffer=16, min_scale=0.08, epochs=2,
+    )  # fmt: skip
+    steps, keys = 0, []
+    for batch in loader:  # all-reduce every step: a rank that ran out early would hang the other
+        total = torch.tensor([float(batch["image"].shape[0])])
+        dist.all_reduce(total)
+        steps += 1
+        keys.append(batch["key"])
+    dist.all_reduce(torch.zeros(1))  # both ranks got here
+    e = loader.dataset.epoch_batches
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"steps": steps, "epoch_batches": e, "keys": keys}))
+    dist.destroy_process_group()
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(180)  # generous: spawning two torch processes on a loaded 2-core machine
+def test_uneven_shards_do_not_hang_two_gloo_ranks(uneven, tmp_path):
+    root, labels = uneven
+    mp.spawn(_uneven_rank, args=(str(root), str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    e = ranks[0]["epoch_batches"]
+    assert e == 10 and [r["steps"] for r in ranks] == [2 * e, 2 * e]
+    for epoch in range(2):  # within an epoch no sample twice, over both ranks
+        keys = [k for r in ranks for b in r["keys"][epoch * e : (epoch + 1) * e] for k in b]
+        assert len(keys) == len(set(keys)) == 2 * e * 4 and set(keys) <= set(labels)
+
+
+def test_same_seed_same_order_other_epoch_or_seed_other_order(even):
+    root, _ = even
+    a, b = (
+        take(train_loader(root, num_workers=2, epochs=2)),
+        take(train_loader(root, num_workers=2, epochs=2)),
+    )
+    assert_same_batches(a, b)
+    e = len(a) // 2
+    assert sorted(keys_of(a[:e])) == sorted(keys_of(a[e:])) and keys_of(a[:e]) != keys_of(a[e:])
+    c = take(train_loader(root, num_workers=2, epochs=1, seed=1))
+    assert keys_of(c) != keys_of(a[:e])
+
+
+def test_targets_are_multi_hot_or_class_indices(even, tmp_path):
+    root, labels = even
+    for batch in take(train_loader(root, epochs=1)):
+        assert batch["image"].dtype == torch.uint8 and batch["image"].shape == (4, 3, IMG, IMG)
+        assert batch["target"].dtype == torch.float32 and batch["target"].shape == (4, CLASSES)
+        for key, row in zip(batch["key"], batch["target"]):
+            assert row.nonzero().flatten().tolist() == labels[key]
+    single = write(tmp_path, 24, 8, multi_label=False)
+    for batch in take(train_loader(tmp_path, epochs=1)):
+        assert batch["target"].dtype == torch.long and batch["target"].shape == (4,)
+        assert batch["target"].tolist() == [single[k][0] for k in batch["key"]]
+
+
+# -- resume
+
+
+@pytest.mark.parametrize("start", [5, 8, 11])
+def test_resume_at_start_batch_continues_exactly_with_2_workers(even, start):
+    root, _ = even
+    straight = take(train_loader(root, batch_size=8, num_workers=2), 14)  # 8 batches an epoch
+    resumed = take(train_loader(root, batch_size=8, num_workers=2, start_batch=start), 14 - start)
+    assert_same_batches(resumed, straight[start:])
+
+
+def test_resampled_is_deterministic_by_seed_and_resumes_exactly(even):
+    root, _ = even
+    a = take(train_loader(root, num_workers=2, resampled=True), 27)
+    assert_same_batches(a, take(train_loader(root, num_workers=2, resampled=True), 27))
+    assert keys_of(take(train_loader(root, num_workers=2, resampled=True, seed=1), 27)) != keys_of(a)
+    keys = Counter(keys_of(a))
+    assert max(keys.values()) > 1 or len(keys) < 27 * 4  # drawn with replacement: no epochs
+    # Worker 0 made 11 of the first 21 batches (44 samples): a whole round of 4 x 8 is skipped unread.
+    resumed = take(train_loader(root, num_workers=2, resampled=True, start_batch=21), 6)
+    assert_same_batches(resumed, a[21:])
+
+
+def test_resampled_resumes_exactly_from_bare_urls_without_counts(even, tmp_path):
+    root, _ = even
+    bare = tmp_path / "bare"
+    shutil.copytree(root / "train", bare)
+    urls = f"pipe:cat {bare}/shard-{{000000..000007}}.tar"
+    kw = dict(num_workers=2, resampled=True, num_classes=CLASSES, multi_label=True)
+    a = take(train_loader(urls, **kw), 12)
+    assert_same_batches(take(train_loader(urls, start_batch=7, **kw), 5), a[7:])
+
+
+# -- corrupt data
+
+
+@pytest.mark.parametrize("extra", [0, 100], ids=["cut-at-a-block-boundary", "cut-mid-member"])
+def test_truncated_shard_and_corrupt_image_are_skipped_and_counted(tmp_path, extra):
+    samples = list(synthetic_samples(30, CLASSES, seed=2, width=24, height=20))
+    samples[3].image = b"not a jpeg"
+    write_dataset(tmp_path, samples, class_names(CLASSES), multi_label=False, max_count=10)
+    shard = tmp_path / read_manifest(tmp_path).shards[2].path
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2 + extra])  # 15360: 30 blocks
+    batches = take(train_loader(tmp_path, batch_size=2, epochs=1, max_skip_fraction=1.0))
+    assert len(batches) == 15  # the epoch still yields every batch it owes (the rest read again)
+    keys = set(keys_of(batches))
+    assert samples[3].key not in keys and samples[29].key not in keys  # corrupt; after the cut
+    readable = 30 - 1 - sum(s.key not in keys for s in samples[20:])
+    assert batches[-1]["skipped"] >= 1 + (30 - 1 - readable) and readable >= 20
+
+
+def test_too_many_bad_samples_raise_naming_the_shard(tmp_path):
+    samples = list(synthetic_samples(120, CLASSES, seed=3, width=24, height=20))
+    for s in samples[60:65]:
+        s.image = b"\xff\xd8 broken"
+    write_dataset(tmp_path, samples, class_names(CLASSES), multi_label=False, max_count=60)
+    with pytest.raises(
+        DatasetError, match=r"5 of 100 samples read.*max_skip_fraction 1\.0%.*shard-000001\.tar"
+    ):
+        take(train_loader(tmp_path, shuffle_buffer=0, max_skip_fraction=0.01), 40)
+    # through a worker process too: the error crosses the process boundary intact
+    with pytest.raises(DatasetError, match=r"shard-000001\.tar"):
+        take(train_loader(tmp_path, shuffle_buffer=0, num_workers=1, max_skip_fraction=0.01), 40)
+    assert len(take(train_loader(tmp_path, shuffle_buffer=0, max_skip_fraction=0.05), 28)) == 28  # 5 of 117
+
+
+# -- evaluation
+
+
+@pytest.mark.parametrize(("max_count", "assignment"), [(10, "shard"), (40, "index")])
+def test_eval_every_sample_once_equal_batches_padding_masked(tmp_path, max_count, assignment):
+    labels = write(tmp_path, 37, max_count, multi_label=False)  # 37: not a multiple of 2 ranks x 4
+    runs = []
+    for _ in range(2):
+        per_rank = []
+        for rank in range(2):
+            loader, _ = make_eval_loader(
+                tmp_path, "train", rank=rank, world_size=2, batch_size=4, img_size=IMG, num_workers=2
+            )
+            assert loader.dataset.by_shard == (assignment == "shard")
+            per_rank.append(take(loader))
+        runs.append(per_rank)
+    per_rank = runs[0]
+    assert len(per_rank[0]) == len(per_rank[1]) == 5  # ceil(max(20, 17) / 4) or ceil(19 / 4)
+    valid_keys = [k for batches in per_rank for b in batches for k, v in zip(b["key"], b["valid"]) if v]
+    assert Counter(valid_keys) == Counter(labels.keys())
+    padding = sum(int((~b["valid"]).sum()) for batches in per_rank for b in batches)
+    assert padding == 2 * 5 * 4 - 37
+    for batches in per_rank:
+        for b in batches:
+            assert b["image"].shape == (4, 3, IMG, IMG) and b["valid"].dtype == torch.bool
+            assert b["target"][b["valid"]].tolist() == [
+                labels[k][0] for k, v in zip(b["key"], b["valid"]) if v
+            ]
+            for slot in (~b["valid"]).nonzero().flatten().tolist():  # a repeat of a real sample
+                assert any(
+                    torch.equal(b["image"][slot], b["image"][i]) for i in b["valid"].nonzero().flatten()
+                )
+    for a, b in zip(runs[0], runs[1]):
+        assert_same_batches(a, b)  # deterministic
+
+
+def _smooth(width: int, height: int) -> Image.Image:
+    y, x = np.mgrid[0:height, 0:width] / 9.0
+    rgb = np.stack([np.sin(x) + np.cos(y), np.sin(x + y), np.cos(x - 2 * y)], -1)
+    return Image.fromarray(((rgb + 2) * 60).astype(np.uint8))
+
+
+def test_eval_transform_is_resize_and_centre_crop():
+    # Shorter side 60 -> round(32 / 0.875) = 37: the kept box is the centred 60 * 32 / 37 square.
+    side = 60 * 32 / 37
+    box = transforms.center_crop_box(80, 60, 32)
+    assert box == pytest.approx(((80 - side) / 2, (60 - side) / 2, (80 + side) / 2, (60 + side) / 2))
+    img = _smooth(80, 60)
+    out = transforms.eval_transform(img, 32)
+    ref = np.asarray(img.resize((32, 32), Image.BILINEAR, box=box)).transpose(2, 0, 1)  # PIL, same box
+    assert out.shape == (3, 32, 32) and np.abs(out.astype(int) - ref.astype(int)).mean() < 1
+
+
+# -- inputs
+
+
+def test_brace_pattern_reads_the_manifest_counts_and_bare_urls_need_class_arguments(even, tmp_path):
+    root, labels = even
+    pattern = f"{root}/train/shard-{{000000..000007}}.tar"
+    info = dataset_info(pattern)
+    assert info.urls == dataset_info(root).urls and info.shard_counts == [8] * 8 and info.num_classes == 6
+    assert_same_batches(take(train_loader(pattern, epochs=1)), take(train_loader(root, epochs=1)))
+    bare = tmp_path / "bare"
+    shutil.copytree(root / "train", bare)
+    with pytest.raises(DatasetError, match="pass num_classes= and multi_label="):
+        dataset_info(f"{bare}/shard-{{000000..000007}}.tar")
+    with pytest.raises(DatasetError, match="num_classes=5 was given, but the manifest says 6"):
+        dataset_info(pattern, num_classes=5)
+    loader = train_loader([str(p) for p in sorted(bare.glob("*.tar"))], num_classes=6, multi_label=True)
+    assert loader.dataset.epoch_batches is None and loader.dataset.info.num_samples is None
+    keys = keys_of(take(loader, 16))  # without counts epochs flow on: 64 samples then the next epoch
+    assert Counter(keys) == Counter(labels.keys())
+    with pytest.raises(DatasetError, match="needs exact per-shard counts"):
+        train_loader(f"{bare}/shard-{{000000..000007}}.tar", num_classes=6, multi_label=True, epochs=1)
+
+
+def test_start_up_errors_are_clear(even):
+    root, _ = even
+    with pytest.raises(DatasetError, match="cannot be split over 4 ranks x 4 loader workers"):
+        train_loader(root, world_size=4, num_workers=4)
+    info = dataset_info(root)  # resampled mode needs no split
+    ShardStream(info, rank=0, world_size=4, batch_size=4, img_size=IMG, seed=0, num_workers=4, resampled=True)
+    with pytest.raises(DatasetError, match="fewer than batch_size 64"):
+        train_loader(root, world_size=2, num_workers=2, batch_size=64)
+    with pytest.raises(ValueError, match="resampled streams have no epochs"):
+        train_loader(root, resampled=True, epochs=1)
+
+
+# -- transforms
+
+
+def _jpeg(width: int, height: int) -> Image.Image:
+    buf = io.BytesIO()
+    render(0, 0, CLASSES, 1.3, width, height)[0].save(buf, format="JPEG", quality=90)
+    return Image.open(io.BytesIO(buf.getvalue()))
+
+
+def test_rand_augment_changes_pixels_deterministically_per_rng():
+    img = render(1, 0, CLASSES, 1.3, 32, 32)[0]
+    before = np.asarray(img).copy()
+
+    def run(seed: int, aug=(2, 9)) -> np.ndarray:
+        return transforms.train_transform(img, 24, np.random.default_rng(seed), randaugment=aug)
+
+    assert np.array_equal(run(0), run(0)) and not np.array_equal(run(0), run(1))
+    assert not np.array_equal(run(0), run(0, aug=None))
+    assert np.array_equal(np.asarray(img), before)  # the input is untouched
+    for op in transforms.RAND_AUGMENT_OPS:  # each op: a pure function of (img, magnitude, rng)
+        a = op(img, 9, np.random.default_rng(5))
+        assert a.size == img.size and a.mode == "RGB"
+        assert np.array_equal(np.asarray(a), np.asarray(op(img, 9, np.random.default_rng(5)))), op.__name__
+    changed = [
+        op.__name__ for op in transforms.RAND_AUGMENT_OPS
+        if not np.array_equal(np.asarray(op(img, 9, np.random.default_rng(5))), before)
+    ]  # fmt: skip
+    assert len(changed) >= 11, changed
+
+
+def test_jpeg_draft_only_where_the_crop_keeps_the_target_resolution():
+    big = _jpeg(960, 720)
+    img, box = transforms.draft_for_box(big, (0, 0, 960, 720), 224)  # the whole image -> 224: 1/2 scale
+    assert img.size == (480, 360) and box == (0, 0, 480, 360)
+    img, box = transforms.draft_for_box(_jpeg(960, 720), (100, 100, 400, 340), 224)  # 300 px crop: full
+    assert img.size == (960, 720) and box == (100, 100, 400, 340)
+    out = transforms.train_transform(_jpeg(960, 720), 224, np.random.default_rng(0), min_scale=0.9)
+    ref_img = _jpeg(960, 720)
+    ref_img.load()  # decoded in full: no draft possible any more
+    ref = transforms.train_transform(ref_img, 224, np.random.default_rng(0), min_scale=0.9)
+    assert out.shape == ref.shape == (3, 224, 224) and np.abs(out.astype(int) - ref.astype(int)).mean() < 4
