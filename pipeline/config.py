@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -59,7 +59,16 @@ class SyntheticDataConfig(_Section):
 class DataConfig(_Section):
     train: str = Field(
         ...,
-        description="Dataset folder written by `vitpipe shard` (its train split is read); relative paths resolve against the CWD.",
+        description="Dataset folder written by `vitpipe shard` (its train split is read; relative paths resolve "
+        "against the CWD), or a brace pattern / URL of shards webdataset opens (local, pipe:, http).",
+    )
+    num_classes: int | None = Field(None, gt=0, description="Classes of a URL input without a manifest.")
+    multi_label: bool | None = Field(None, description="Whether a URL input without a manifest is multi-label.")
+    resampled: bool = Field(False, description="Draw shards with replacement, endlessly (JFT-scale streaming).")
+    randaugment: tuple[int, float] | None = Field(None, description="RandAugment (num_ops, magnitude), e.g. [2, 9].")
+    hflip: bool = Field(True, description="Random horizontal flips (off for digits, text).")
+    max_skip_fraction: float = Field(
+        0.01, ge=0.0, le=1.0, description="Stop with an error naming the shard past this fraction of corrupt samples."
     )
     synthetic: SyntheticDataConfig | None = Field(
         None,
@@ -183,9 +192,54 @@ class DebugConfig(_Section):
     resume_optimizer: bool = Field(True, description="False resumes weights only (a negative control).")
 
 
+class EvalConfig(_Section):
+    train_split: str = Field(
+        "train",
+        description="Split of data.train whose features fit the few-shot and linear-probe classifiers.",
+    )
+    eval_split: str = Field(
+        "val",
+        description="Split of data.train that is evaluated (classification, few-shot and probe test set).",
+    )
+    classification: bool = Field(
+        True,
+        description="Run the model's own head on eval_split: top-1/top-5 for single-label data, mAP and "
+        "precision@1 for multi-label; needs model.init_head: true.",
+    )
+    fewshot_shots: list[Annotated[int, Field(gt=0)]] = Field(
+        default_factory=lambda: [1, 5, 10, 25],
+        description="Few-shot ridge regression on frozen pre-logits: train samples per class; [] disables.",
+    )
+    fewshot_seeds: list[int] = Field(
+        default_factory=lambda: [0, 1, 2],
+        min_length=1,
+        description="Seeds of the few-shot subsets; the mean over them is reported.",
+    )
+    fewshot_l2: float = Field(2.0**10, gt=0.0, description="Ridge l2 regularisation (big_vision: 2^10).")
+    fewshot_max_train: int | None = Field(
+        50_000,
+        gt=0,
+        description="At most this many train_split samples are embedded for few-shot and probe (whole "
+        "batches per rank: when the cap bites, which samples depends on the world size); null: all.",
+    )
+    linear_probe: bool = Field(
+        True, description="Also fit a logistic-regression probe (L-BFGS) on the train_split features."
+    )
+    figures: bool = Field(
+        True,
+        description="Log PNGs: source-stage loss curve, position-embedding similarity, patch-embedding "
+        "principal components, mean attention distance per layer.",
+    )
+    batch_size: int | None = Field(None, gt=0, description="Per-rank eval batch size; null: data.batch_size.")
+
+
 class ExperimentConfig(_Section):
     name: str = Field(
         ..., min_length=1, description="Experiment name; names the run directory and MLflow experiment."
+    )
+    kind: Literal["train", "eval"] = Field(
+        "train",
+        description="`train`: the training loop; `eval`: evaluate model.init_from's export (section eval).",
     )
     seed: int = Field(0, description="Root seed: model init, data order, augmentation.")
     run_dir: str = Field("runs/{name}", description="Output folder; `{name}` expands; relative to the CWD.")
@@ -198,6 +252,7 @@ class ExperimentConfig(_Section):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     debug: DebugConfig = Field(default_factory=DebugConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
 
     @model_validator(mode="after")
     def _check(self) -> ExperimentConfig:
@@ -207,6 +262,14 @@ class ExperimentConfig(_Section):
             raise ValueError(
                 f"optim.warmup_steps ({self.optim.warmup_steps}) exceeds optim.steps ({self.optim.steps})"
             )
+        if self.kind == "eval":
+            if self.model.init_from is None:
+                raise ValueError("kind: eval needs model.init_from (an export folder or an earlier stage)")
+            if self.eval.classification and not self.model.init_head:
+                raise ValueError(
+                    "eval.classification runs the exported head, so it needs model.init_head: true "
+                    "(or set eval.classification: false to evaluate features only)"
+                )
         return self
 
     # Derived quantities, one definition each.

@@ -481,6 +481,7 @@ class ShardStream(IterableDataset):
         resampled: bool = False,
         epochs: int | None = None,
         randaugment: tuple[int, float] | None = None,
+        hflip: bool = True,
         max_skip_fraction: float = 0.01,
     ):
         workers = max(1, num_workers)
@@ -512,6 +513,7 @@ class ShardStream(IterableDataset):
         self.seed, self.shuffle_buffer, self.min_scale = seed, shuffle_buffer, min_scale
         self.start_batch, self.resampled, self.epochs = start_batch, resampled, epochs
         self.randaugment, self.max_skip_fraction = randaugment, max_skip_fraction
+        self.hflip = hflip
         self._counts = dict(zip(info.urls, info.shard_counts)) if info.shard_counts else None
 
     @staticmethod
@@ -610,7 +612,7 @@ class ShardStream(IterableDataset):
                     labels = _labels(sample, info.multi_label, info.num_classes)
                     with Image.open(io.BytesIO(_image_bytes(sample))) as img:
                         image = train_tensor(
-                            img, self.img_size, augment_rng(i), self.min_scale, self.randaugment
+                            img, self.img_size, augment_rng(i), self.min_scale, self.randaugment, self.hflip
                         )
                 except Exception as exc:  # a corrupt sample is skipped and counted, never fatal here
                     counter.skip(sample.get("__url__", "?"), f"sample {sample.get('__key__')}", exc)
@@ -752,6 +754,7 @@ def make_train_loader(
     resampled: bool = False,
     epochs: int | None = None,
     randaugment: tuple[int, float] | None = None,
+    hflip: bool = True,
     max_skip_fraction: float = 0.01,
     num_classes: int | None = None,
     multi_label: bool | None = None,
@@ -772,6 +775,7 @@ def make_train_loader(
         resampled=resampled,
         epochs=epochs,
         randaugment=randaugment,
+        hflip=hflip,
         max_skip_fraction=max_skip_fraction,
     )
     loader = DataLoader(

@@ -203,8 +203,11 @@ def train_tensor(
     rng: np.random.Generator,
     min_scale: float = 0.08,
     randaugment: tuple[int, float] | None = None,
+    hflip: bool = True,
 ) -> torch.Tensor:
     """RandomResizedCrop (+ RandAugment) + horizontal flip -> uint8 [3, size, size] tensor.
+
+    hflip=False for data whose meaning flips with the image (digits, text).
 
     Draws the box from the header size before decoding, so a JPEG decodes at reduced scale
     when the crop is large enough (`draft_for_box`).
@@ -214,7 +217,7 @@ def train_tensor(
     out = resized_crop(img, box, size)
     if randaugment is not None:
         out = to_hwc(rand_augment(to_pil(out), randaugment[0], randaugment[1], rng)).permute(2, 0, 1)
-    return out.flip(-1) if rng.random() < 0.5 else out
+    return out.flip(-1) if hflip and rng.random() < 0.5 else out
 
 
 def train_transform(

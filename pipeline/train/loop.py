@@ -147,7 +147,7 @@ def train(cfg: ExperimentConfig, report: Callable[[dict], None] | None = None,
         save_resolved(cfg, run_path / "config.yaml")
 
     # -- model and objective
-    info = dataset_info(cfg.data.train, "train")
+    info = dataset_info(cfg.data.train, "train", num_classes=cfg.data.num_classes, multi_label=cfg.data.multi_label)
     objective = build_objective(cfg.objective)
     model_kwargs = _model_kwargs(cfg, objective, cfg.model.num_classes or info.num_classes)
     model = create_model(cfg.model.name, **model_kwargs)
@@ -170,6 +170,9 @@ def train(cfg: ExperimentConfig, report: Callable[[dict], None] | None = None,
         cfg.data.train, rank=ctx.rank, world_size=ctx.world_size, batch_size=cfg.data.batch_size,
         img_size=cfg.model.img_size, seed=cfg.seed, num_workers=cfg.data.num_workers,
         shuffle_buffer=cfg.data.shuffle_buffer, min_scale=cfg.data.min_scale, start_batch=start * accum,
+        resampled=cfg.data.resampled, randaugment=cfg.data.randaugment, hflip=cfg.data.hflip,
+        max_skip_fraction=cfg.data.max_skip_fraction, num_classes=cfg.data.num_classes,
+        multi_label=cfg.data.multi_label,
     )  # fmt: skip
 
     # -- tracking (rank 0 only): a resumed stage continues its MLflow run
