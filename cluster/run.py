@@ -37,10 +37,16 @@ def _worker(config: dict) -> None:
     import ray.train
 
     from pipeline.config import validate_config
-    from pipeline.train.loop import train
 
     cfg = validate_config(config["cfg"], source="<ray worker>")
-    train(cfg, report=ray.train.report, parent_run_id=config["parent_run_id"])
+    if cfg.kind == "eval":
+        from pipeline.eval.run import evaluate
+
+        evaluate(cfg, report=ray.train.report, parent_run_id=config["parent_run_id"])
+    else:
+        from pipeline.train.loop import train
+
+        train(cfg, report=ray.train.report, parent_run_id=config["parent_run_id"])
 
 
 def connect(address: str | None, use_gpu: bool) -> None:
@@ -54,7 +60,8 @@ def connect(address: str | None, use_gpu: bool) -> None:
     if address:
         ray.init(address=address, runtime_env={"env_vars": env})
     else:
-        ray.init(runtime_env={"env_vars": env}, include_dashboard=False)
+        # A private local instance, every service on loopback.
+        ray.init(runtime_env={"env_vars": env}, include_dashboard=False, _node_ip_address="127.0.0.1")
 
 
 def run_stage(cfg: ExperimentConfig, parent_run_id: str | None = None):
@@ -63,7 +70,10 @@ def run_stage(cfg: ExperimentConfig, parent_run_id: str | None = None):
     from ray.train.torch import TorchConfig, TorchTrainer
 
     # Workers may start in other directories: pass absolute paths.
-    data = cfg.data.model_copy(update={"train": os.path.abspath(cfg.data.train)})
+    train = cfg.data.train
+    if "://" not in train and not train.startswith("pipe:"):
+        train = os.path.abspath(train)  # a local folder or pattern: absolute for workers in other CWDs
+    data = cfg.data.model_copy(update={"train": train})
     cfg = cfg.model_copy(update={"run_dir": str(cfg.run_path), "data": data})
     prepare_data(cfg)
     connect(cfg.cluster.address, cfg.cluster.use_gpu)
@@ -147,7 +157,7 @@ def run_experiment(exp: Experiment) -> int:
                    if not k.startswith("system/")} if stage_run else {}  # fmt: skip
         log_to_run(exp.tracking_uri, parent, metrics=summary, tags={f"stage.{name}.run_id": stage_run or ""})
         done.write_text(json.dumps({"stage": name, "mlflow_run_id": stage_run, "finished_at": time.time(),
-                                    "export": str(cfg.run_path / "export")}))  # fmt: skip
+                                    "export": str(cfg.run_path / "export") if cfg.kind == "train" else None}))  # fmt: skip
         print(f"[{exp.name}] stage {name}: done", flush=True)
     end_run(exp.tracking_uri, parent, "FINISHED")
     print(f"[{exp.name}] all {len(exp.stages)} stages finished; MLflow: {exp.tracking_uri}", flush=True)

@@ -104,3 +104,21 @@ def test_every_deepspeed_preset_validates():
     for preset in presets:
         raw = {"name": "x", "data": {"train": "d"}, **yaml.safe_load(preset.read_text())}
         validate_config(raw, source=str(preset))
+
+
+def test_multistage_experiment_takes_presets_and_names_stage_keys(tmp_path):
+    from pipeline.config import load_experiment
+
+    preset = Path(__file__).parents[1] / "configs/deepspeed/zero3_bf16.yaml"
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(
+        f"base: [{preset}]\nname: e\ndefaults: {{data: {{train: d}}}}\n"
+        "stages:\n  a: {optim: {steps: 3, warmup_steps: 1}}\n  b: {model: {init_from: a}, deepspeed: {zero_stage: 2}}\n"
+    )
+    e = load_experiment(exp, ["stages.a.optim.lr=0.5"])
+    (a_name, a), (_, b) = e.stages
+    assert a_name == "a" and a.deepspeed.zero_stage == 3 and a.optim.lr == 0.5  # preset + override
+    assert b.deepspeed.zero_stage == 2 and b.model.init_from == str(e.run_path / "a" / "export")
+    assert a.tracking.experiment == "e" and a.run_path == e.run_path / "a"
+    with pytest.raises(ConfigError, match=r"stages\.b: invalid config.*optim\.stpes: unknown key"):
+        load_experiment(exp, ["stages.b.optim.stpes=1"])

@@ -38,13 +38,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_local(cfg: ExperimentConfig) -> StageResult:
-    """One process, or one rank of a torchrun job (torchrun sets RANK/WORLD_SIZE/MASTER_*)."""
+def launch_local(cfg: ExperimentConfig) -> StageResult | dict[str, float]:
+    """One process, or one rank of a torchrun job (torchrun sets RANK/WORLD_SIZE/MASTER_*).
+    Returns the training stage's result, or an eval stage's metrics (`kind: eval`)."""
     if "WORLD_SIZE" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     if os.environ.get("RANK", "0") == "0":
         prepare_data(cfg)
+    if cfg.kind == "eval":
+        from pipeline.eval.run import evaluate  # imported here: training runs never load the evaluators
+
+        return evaluate(cfg)
     return train(cfg)
 
 

@@ -1,0 +1,100 @@
+"""The eval stage's figures as PNG files: what an exported model learned, and how its stage trained.
+
+    from pipeline.eval.figures import model_figures, source_loss_curve
+    written, skipped = model_figures(model, images, Path("RUN_DIR/figures"))
+    path_or_reason = source_loss_curve("runs/exp/pretrain/export", ["sqlite:///runs/exp/mlflow.db"], out)
+
+`model_figures` draws the ViT paper's Figure 7 (pipeline.models.analysis): position-embedding
+similarity, principal components of the patch-embedding filters, mean attention distance per layer.
+A figure the model has nothing for (no absolute position embedding, a hybrid stem) is skipped and its
+reason returned, never raised: the caller logs the note. Rank 0 only; nothing here communicates.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from matplotlib.figure import Figure
+from torch import nn
+
+from pipeline.models.analysis import mean_attention_distance, patch_embed_components, pos_embed_similarity
+
+log = logging.getLogger(__name__)
+
+MAX_COMPONENTS = 28  # the paper's 4 x 7 grid
+SOURCE_RUN_FILE = "mlflow_run.json"  # pipeline.train.loop.RUN_ID_FILE, beside the stage's export/
+
+
+def _num_components(model: nn.Module) -> int:
+    proj = getattr(getattr(model, "patch_embed", None), "proj", None)
+    if proj is None or not hasattr(proj, "weight"):
+        return MAX_COMPONENTS  # analysis raises the informative error
+    d, c, ph, pw = proj.weight.shape
+    return min(MAX_COMPONENTS, d, c * ph * pw)
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def model_figures(
+    model: nn.Module, images: torch.Tensor | None, out_dir: Path
+) -> tuple[list[Path], dict[str, str]]:
+    """Write the analysis PNGs of `model` under out_dir; images [B, 3, H, W] normalised, on the model's
+    device (for attention distance). Returns (written files, {figure name: why it was skipped})."""
+    drawers = {
+        "pos_embed_similarity": lambda: pos_embed_similarity(model)[1],
+        "patch_embed_components": lambda: patch_embed_components(model, _num_components(model))[1],
+        "mean_attention_distance": lambda: mean_attention_distance(model, images)[1],
+    }
+    written: list[Path] = []
+    skipped: dict[str, str] = {}
+    if images is None:
+        del drawers["mean_attention_distance"]
+        skipped["mean_attention_distance"] = "no readable eval image on this rank"
+    for name, draw in drawers.items():
+        try:
+            fig = draw()
+        except (TypeError, ValueError) as exc:  # the model has no such thing (analysis says which)
+            skipped[name] = str(exc)
+            log.info("figure %s skipped: %s", name, exc)
+            continue
+        written.append(_save(fig, out_dir / f"{name}.png"))
+    return written, skipped
+
+
+def source_stage_dir(init_from: str | Path) -> Path:
+    """The training stage's run directory that wrote an export: RUN_DIR of RUN_DIR/export[/model.safetensors]."""
+    path = Path(init_from)
+    export_dir = path if path.is_dir() else path.parent
+    return export_dir.parent
+
+
+def source_loss_curve(init_from: str | Path, tracking_uris: list[str], out: Path) -> Path | str:
+    """Plot train/loss of the run that produced `init_from` (read from MLflow through the stage's
+    mlflow_run.json); returns the PNG, or why there is none. The first store that holds the run wins."""
+    from pipeline.compare import open_client, plot_metric  # MLflow reads live in compare
+
+    run_file = source_stage_dir(init_from) / SOURCE_RUN_FILE
+    if not run_file.is_file():
+        return f"no {run_file} (the export did not come from a tracked training stage)"
+    run_id = json.loads(run_file.read_text())["run_id"]
+    for uri in dict.fromkeys(tracking_uris):  # in order, without repeats
+        try:
+            client = open_client(uri)
+            run = client.get_run(run_id)
+        except Exception:  # a missing or unreadable store, or no such run there: try the next
+            continue
+        if "train/loss" not in run.data.metrics:
+            return f"source run {run_id} logged no train/loss"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        plot_metric(
+            client, [run], "train/loss", out, title=f"train/loss of {run.info.run_name or run_id[:8]}"
+        )
+        return out
+    return f"source run {run_id} not found in {', '.join(dict.fromkeys(tracking_uris))}"

@@ -1,0 +1,311 @@
+"""The eval stage: an exported model's classification metrics, few-shot and linear-probe accuracy and
+analysis figures, computed on every rank and equal to a single-process evaluation.
+
+    vitpipe run configs/experiments/ablation_posemb.yaml      # `kind: eval` stages after train stages
+    vitpipe train CONFIG kind=eval model.init_from=runs/NAME/export model.init_head=true cluster.launcher=local
+    torchrun --nproc-per-node 2 -m pipeline.train.launch CONFIG kind=eval model.init_from=runs/NAME/export \
+        model.init_head=true cluster.launcher=local
+
+Sections in order: distributed set-up, model, tracking, passes over eval_split (and train_split for the
+linear evaluators), classification metrics, few-shot and probe, figures, eval.json.
+
+Every rank runs the same number of batches (`make_eval_loader` pads; `valid` marks real rows), so no
+rank waits on another in a collective. Top-k and precision@1 are masked sums, all-reduced. mAP, few-shot
+and the probe need every row at once: the valid rows are gathered on rank 0 and sorted by sample key,
+the order a single process sees whatever the world size, evaluated there, and the results broadcast,
+so every rank returns the same dict. Nothing is exported; RUN_DIR/eval.json keeps the metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from pipeline.config import EvalConfig, ExperimentConfig, flatten, save_resolved
+from pipeline.data.loader import dataset_info, make_eval_loader
+from pipeline.data.transforms import normalize
+from pipeline.eval.fewshot import fewshot_ridge, linear_probe
+from pipeline.eval.figures import model_figures, source_loss_curve, source_stage_dir
+from pipeline.eval.metrics import MetricState, mean_average_precision, top1_is_positive, topk_correct
+from pipeline.models import VisionTransformer, create_model
+from pipeline.models.convert import load_timm_state_dict
+from pipeline.objectives import build_objective
+from pipeline.tracking import Tracker
+from pipeline.train.engine import DistContext, init_distributed
+from pipeline.train.export import load_exported
+from pipeline.train.loop import RUN_ID_FILE, _model_kwargs, code_version, seed_everything
+
+log = logging.getLogger(__name__)
+EVAL_FILE = "eval.json"
+FIGURE_IMAGES = 16  # eval images the attention-distance figure averages over
+MAX_TAG_LEN = 1000
+
+
+@dataclass
+class SplitPass:
+    """One rank's rows of a pass over a split, padding included (`valid` marks real samples); on CPU."""
+
+    features: torch.Tensor  # [N, D] float32 pre-logits
+    logits: torch.Tensor | None  # [N, K] float32, when the head was run
+    targets: torch.Tensor  # [N] class indices or [N, K] multi-hot
+    valid: torch.Tensor  # [N] bool
+    keys: list[str]
+    images: torch.Tensor | None  # [<=FIGURE_IMAGES, 3, H, W] normalised valid images, on the device
+
+
+# ---------------------------------------------------------------- model
+
+
+def load_model(
+    cfg: ExperimentConfig, num_classes: int, device: torch.device
+) -> tuple[VisionTransformer, dict]:
+    """The stage's model built as the training loop builds it, with the export's weights; eval mode."""
+    model = create_model(cfg.model.name, **_model_kwargs(cfg, build_objective(cfg.objective), num_classes))
+    if not isinstance(model, VisionTransformer):
+        raise ValueError(f"kind: eval needs a plain ViT (model.name), got {type(model).__name__}")
+    state, meta = load_exported(cfg.model.init_from)
+    load_timm_state_dict(model, state, strict_head=cfg.model.init_head, reset_head=not cfg.model.init_head)
+    return model.to(device).eval().requires_grad_(False), meta
+
+
+def _amp_dtype(cfg: ExperimentConfig, device: torch.device) -> torch.dtype | None:
+    # Mixed precision only where it pays (CUDA); on CPU the pass stays fp32, as the tests compare it.
+    if device.type != "cuda" or cfg.deepspeed.precision == "fp32":
+        return None
+    return torch.bfloat16 if cfg.deepspeed.precision == "bf16" else torch.float16
+
+
+# ---------------------------------------------------------------- passes
+
+
+@torch.no_grad()
+def embed_split(model: VisionTransformer, loader: DataLoader, device: torch.device, *, with_logits: bool,
+                max_batches: int | None = None, amp_dtype: torch.dtype | None = None) -> SplitPass:  # fmt: skip
+    """Pre-logits (and logits) of every batch the loader yields, up to max_batches."""
+    feats, logits, targets, valid, keys = [], [], [], [], []
+    images = None
+    for i, batch in enumerate(loader):
+        if max_batches is not None and i >= max_batches:
+            break
+        x = normalize(batch["image"].to(device, non_blocking=True))  # [B, 3, H, W] float32
+        with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+            tokens = model.forward_features(x)  # [B, T, D]
+            feats.append(model.forward_head(tokens, pre_logits=True).float().cpu())  # [B, D]
+            if with_logits:
+                logits.append(model.forward_head(tokens).float().cpu())  # [B, K]
+        targets.append(batch["target"])
+        valid.append(batch["valid"])
+        keys.extend(batch["key"])
+        if images is None and batch["valid"].any():
+            images = x[batch["valid"].to(device)][:FIGURE_IMAGES]
+    if not feats:
+        raise ValueError("the eval loader yielded no batch")
+    return SplitPass(torch.cat(feats), torch.cat(logits) if with_logits else None, torch.cat(targets),
+                     torch.cat(valid), keys, images)  # fmt: skip
+
+
+def gather_valid(part: SplitPass, ctx: DistContext) -> dict | None:
+    """On rank 0: every rank's valid rows in key order {"features", "targets", "logits"?, "keys"}; else None."""
+    v = part.valid
+    local = {"features": part.features[v], "targets": part.targets[v],
+             "keys": [k for k, ok in zip(part.keys, v.tolist()) if ok]}  # fmt: skip
+    if part.logits is not None:
+        local["logits"] = part.logits[v]
+    parts: list | None = [None] * ctx.world_size if ctx.is_main else None
+    # The gloo control group: CPU tensors whatever the training backend is.
+    dist.gather_object(local, parts, dst=0, group=ctx.control_group)
+    if not ctx.is_main:
+        return None
+    keys = [k for p in parts for k in p["keys"]]
+    if len(set(keys)) != len(keys):
+        log.warning("duplicate sample keys in the eval split: key order is ambiguous for them")
+    order = torch.tensor(sorted(range(len(keys)), key=keys.__getitem__), dtype=torch.long)
+    out = {name: torch.cat([p[name] for p in parts])[order] for name in local if name != "keys"}
+    out["keys"] = [keys[i] for i in order.tolist()]
+    return out
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def classification_sums(part: SplitPass, multi_label: bool, ctx: DistContext) -> tuple[dict[str, float], int]:
+    """Top-1/top-5 (single-label) or precision@1 (multi-label) over all ranks' valid rows, and their count."""
+    if multi_label:
+        state = MetricState(["precision_at_1"])
+        state.update({"precision_at_1": top1_is_positive(part.logits, part.targets)}, part.valid)
+    else:
+        state = MetricState(["top1", "top5"])
+        state.update(topk_correct(part.logits, part.targets, (1, 5)), part.valid)
+    dist.all_reduce(state.sums, group=ctx.control_group)  # one float64 tensor: every sum and the count
+    return {f"eval/{k}": v for k, v in state.compute().items()}, int(state.count)
+
+
+def single_label_rows(rows: dict, multi_label: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(features [M, D], class [M]) for the linear evaluators: on multi-label data, the samples with
+    exactly one label (few-shot and probe are single-label classifiers, as in big_vision)."""
+    if not multi_label:
+        return rows["features"], rows["targets"].long()
+    one = rows["targets"].sum(1) == 1  # [N]
+    return rows["features"][one], rows["targets"][one].argmax(1)
+
+
+def linear_metrics(
+    train: dict, test: dict, num_classes: int, multi_label: bool, e: EvalConfig
+) -> tuple[dict, dict]:
+    """Few-shot ridge and linear probe on frozen features: (metrics to log, details for eval.json)."""
+    x_tr, y_tr = single_label_rows(train, multi_label)
+    x_te, y_te = single_label_rows(test, multi_label)
+    details: dict = {"train_samples": len(y_tr), "test_samples": len(y_te)}
+    if multi_label:
+        details["rows"] = "single-label samples only (multi-label dataset)"
+    if not len(y_tr) or not len(y_te):
+        details["skipped"] = "no single-label sample in the train or eval split"
+        log.warning("few-shot and probe skipped: %s", details["skipped"])
+        return {}, details
+    metrics: dict[str, float] = {}
+    if e.fewshot_shots:
+        fs = fewshot_ridge(x_tr, y_tr, x_te, y_te, num_classes=num_classes, shots=e.fewshot_shots,
+                           seeds=e.fewshot_seeds, l2_reg=e.fewshot_l2)  # fmt: skip
+        metrics.update({f"fewshot/{s}shot": fs[f"{s}shot"] for s in e.fewshot_shots})
+        details["fewshot"] = fs  # means and every seed
+    if e.linear_probe:
+        metrics.update({f"probe/{k}": v for k, v in linear_probe(x_tr, y_tr, x_te, y_te, num_classes=num_classes).items()})  # fmt: skip
+    return metrics, details
+
+
+# ---------------------------------------------------------------- the stage
+
+
+def _write_json(path: Path, payload: dict) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def _figures(cfg: ExperimentConfig, model: VisionTransformer, images: torch.Tensor | None,
+             tracker: Tracker) -> dict[str, str]:  # fmt: skip
+    """Rank 0: analysis PNGs and the source stage's loss curve as artifacts; returns {skipped: why}."""
+    out = cfg.run_path / "figures"
+    written, skipped = model_figures(model, images, out)
+    stores = [cfg.tracking_uri, f"sqlite:///{source_stage_dir(cfg.model.init_from) / 'mlflow.db'}"]
+    curve = source_loss_curve(cfg.model.init_from, stores, out / "source_train_loss.png")
+    if isinstance(curve, Path):
+        written.append(curve)
+    else:
+        skipped["source_train_loss"] = curve
+    for path in written:
+        tracker.log_artifact(str(path), "figures")
+    for name, why in skipped.items():
+        log.info("figure %s skipped: %s", name, why)
+    tracker.set_tags({f"figure_skipped.{k}": v[:MAX_TAG_LEN] for k, v in skipped.items()})
+    return skipped
+
+
+def evaluate(cfg: ExperimentConfig, report: Callable[[dict], None] | None = None,
+             parent_run_id: str | None = None) -> dict[str, float]:  # fmt: skip
+    """Run the eval stage on this rank; returns the metrics (the same dict on every rank)."""
+    if cfg.model.init_from is None:
+        raise ValueError(f"{cfg.name}: an eval stage needs model.init_from")
+    # -- distributed set-up
+    ctx = init_distributed(cfg.cluster.use_gpu)
+    seed_everything(cfg.seed)
+    run_path, e = cfg.run_path, cfg.eval
+    if ctx.is_main:
+        save_resolved(cfg, run_path / "config.yaml")
+    batch_size = e.batch_size or cfg.data.batch_size
+
+    # -- model
+    labels = dict(num_classes=cfg.data.num_classes, multi_label=cfg.data.multi_label)  # URL inputs only
+    info = dataset_info(cfg.data.train, e.eval_split, **labels)
+    num_classes = cfg.model.num_classes or info.num_classes
+    model, meta = load_model(cfg, num_classes, ctx.device)
+    amp = _amp_dtype(cfg, ctx.device)
+    step = max(1, int(meta.get("step") or 1))  # the Tracker drops step 0
+
+    # -- tracking (rank 0): a re-run of a failed eval stage continues its MLflow run
+    run_id_path = run_path / RUN_ID_FILE
+    run_id = json.loads(run_id_path.read_text())["run_id"] if run_id_path.is_file() else None
+    tracker = Tracker(
+        cfg.tracking_uri, cfg.tracking.experiment or cfg.name, run_name=cfg.name, enabled=ctx.is_main,
+        tags={"variant": cfg.model.name + "".join(f",{k}={v}" for k, v in sorted(cfg.model.overrides.items())),
+              "kind": "eval", "init_from": str(cfg.model.init_from), "world_size": str(ctx.world_size),
+              "code_version": code_version()},
+        run_id=run_id, parent_run_id=parent_run_id, system_metrics=cfg.tracking.system_metrics,
+    )  # fmt: skip
+    with tracker:
+        if ctx.is_main:
+            if run_id is None:
+                run_id_path.write_text(json.dumps({"run_id": tracker.run_id}))
+                tracker.log_params(flatten(cfg))
+                tracker.log_artifact(str(run_path / "config.yaml"))
+            print(f"[{cfg.name}] eval of {cfg.model.init_from} (step {meta.get('step', '?')}) | "
+                  f"{cfg.data.train} {e.eval_split} | world {ctx.world_size} | batch {batch_size}", flush=True)  # fmt: skip
+
+        # -- passes: eval split in full; train split up to the cap, in whole batches on every rank
+        linear = bool(e.fewshot_shots) or e.linear_probe
+        loader_args = dict(rank=ctx.rank, world_size=ctx.world_size, batch_size=batch_size,
+                           img_size=cfg.model.img_size, num_workers=cfg.data.num_workers,
+                           max_skip_fraction=cfg.data.max_skip_fraction, **labels)  # fmt: skip
+        eval_loader, _ = make_eval_loader(cfg.data.train, e.eval_split, **loader_args)
+        test = embed_split(model, eval_loader, ctx.device, with_logits=e.classification, amp_dtype=amp)
+        train = None
+        if linear:
+            train_loader, _ = make_eval_loader(cfg.data.train, e.train_split, **loader_args)
+            cap = e.fewshot_max_train
+            max_batches = math.ceil(cap / (ctx.world_size * batch_size)) if cap else None
+            train = embed_split(model, train_loader, ctx.device, with_logits=False, max_batches=max_batches,
+                                amp_dtype=amp)  # fmt: skip
+
+        # -- classification: masked sums all-reduced; mAP from the gathered rows
+        metrics: dict[str, float] = {}
+        details: dict = {}
+        if e.classification:
+            sums, details["eval_samples"] = classification_sums(test, info.multi_label, ctx)
+            metrics.update(sums)
+        test_rows = gather_valid(test, ctx) if (linear or (e.classification and info.multi_label)) else None
+        train_rows = gather_valid(train, ctx) if train is not None else None
+
+        # -- rank 0: mAP, few-shot, probe, figures; then every rank gets the same results
+        if ctx.is_main:
+            if test_rows is not None:
+                details["eval_samples"] = len(test_rows["keys"])
+            if e.classification and info.multi_label:
+                metrics["eval/map"] = mean_average_precision(test_rows["logits"], test_rows["targets"])
+            if train_rows is not None:
+                if cap and len(train_rows["keys"]) > cap:
+                    train_rows = {k: v[:cap] for k, v in train_rows.items()}  # the first `cap` by key
+                lin, details["linear"] = linear_metrics(
+                    train_rows, test_rows, num_classes, info.multi_label, e
+                )
+                metrics.update(lin)
+            if e.figures:
+                try:
+                    details["figures_skipped"] = _figures(cfg, model, test.images, tracker)
+                except Exception as exc:  # figures are optional: a plotting failure must not lose the metrics
+                    log.exception("figures failed")
+                    details["figures_skipped"] = {"all": f"failed: {exc!r}"}
+        shared = [metrics, details]
+        dist.broadcast_object_list(shared, src=0, group=ctx.control_group)
+        metrics, details = shared
+
+        # -- log and write eval.json
+        tracker.log_metrics(metrics, step=step)
+        if ctx.is_main:
+            _write_json(run_path / EVAL_FILE, {
+                "stage": cfg.name, "model": cfg.model.name, "init_from": str(cfg.model.init_from),
+                "source_step": meta.get("step"), "world_size": ctx.world_size, "metrics": metrics, **details,
+            })  # fmt: skip
+            print(f"[{cfg.name}] " + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()), flush=True)
+        if report is not None:
+            report(dict(metrics))  # every rank, once (Ray Train needs equal report counts)
+    dist.barrier()
+    return metrics
