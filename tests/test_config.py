@@ -120,5 +120,5 @@ def test_multistage_experiment_takes_presets_and_names_stage_keys(tmp_path):
     assert a_name == "a" and a.deepspeed.zero_stage == 3 and a.optim.lr == 0.5  # preset + override
     assert b.deepspeed.zero_stage == 2 and b.model.init_from == str(e.run_path / "a" / "export")
     assert a.tracking.experiment == "e" and a.run_path == e.run_path / "a"
-    with pytest.raises(ConfigError, match=r"stages\.b: invalid config.*optim\.stpes: unknown key"):
+    with pytest.raises(ConfigError, match=r"(?s)stages\.b: invalid config.*optim\.stpes: unknown key"):
         load_experiment(exp, ["stages.b.optim.stpes=1"])
