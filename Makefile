@@ -11,7 +11,7 @@ export DS_BUILD_OPS ?= 0
 export RAY_AUTH_MODE ?= token
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup test test-fast lint bench clean
+.PHONY: setup demo demo-small test test-fast lint bench clean
 
 setup: $(VENV)/.installed
 
@@ -30,6 +30,13 @@ $(VENV)/.installed: $(VENV)/.deepspeed pyproject.toml
 	$(PIP) install -q -e ".[dev]"
 	touch $@
 
+# The whole pipeline on embedded defaults: shards, a local Ray cluster, the demo experiment, the compare table.
+demo: setup
+	$(PY) -m cluster.demo
+
+demo-small: setup
+	$(PY) -m cluster.demo --size small
+
 test: setup
 	$(PY) -m pytest tests
 
@@ -39,6 +46,12 @@ test-fast: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+bench: setup
+	$(PY) bench/step_overhead.py --out bench/results/step_overhead.json
+	$(PY) bench/zero_memory.py --out bench/results/zero_memory.json
+	$(PY) bench/loader.py --out bench/results/loader.json
+	$(PY) bench/shard.py --out bench/results/shard.json
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

@@ -50,6 +50,14 @@ def shard(data: Path, size: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _demo(argv)
+    except subprocess.CalledProcessError as exc:  # the failing command already printed why
+        print(f"\ndemo failed: `{' '.join(exc.cmd[2:])}` exited {exc.returncode}", file=sys.stderr)
+        return 1
+
+
+def _demo(argv: list[str] | None) -> int:
     p = argparse.ArgumentParser(prog="python -m cluster.demo", description=__doc__.splitlines()[0])
     p.add_argument("--size", choices=sorted(SIZES), default="full")
     p.add_argument("--run-dir", default=None, help="default runs/demo (runs/demo-small for --size small)")
@@ -65,9 +73,11 @@ def main(argv: list[str] | None = None) -> int:
         f"run_dir={run_dir}",
         f"stages.pretrain.data.train={data / 'synthetic'}",
         f"stages.pretrain.optim.steps={size['pretrain']}",
+        f"stages.pretrain.optim.warmup_steps={size['pretrain'] // 10}",
         *(f"stages.{s}.data.train={data / 'digits'}" for s in ("finetune", "eval_finetune", "finetune_scratch",
                                                                 "eval_scratch")),  # fmt: skip
         *(f"stages.{s}.optim.steps={size['finetune']}" for s in ("finetune", "finetune_scratch")),
+        *(f"stages.{s}.optim.warmup_steps={size['finetune'] // 10}" for s in ("finetune", "finetune_scratch")),
     ]
     temp_dir = tempfile.mkdtemp(prefix="vpdemo", dir="/tmp")  # short: Ray's socket paths have a length limit
     print(f"starting a local Ray cluster (head + 1 node, token auth) in {temp_dir}", flush=True)
@@ -77,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         env = {"RAY_AUTH_MODE": "token", "RAY_ADDRESS": cluster.dashboard_url}
         vitpipe("submit", CONFIG, *overrides, "--follow", "--python", sys.executable, env=env)
     finally:
-        local.stop()
+        local.stop(cluster)
     uri = f"sqlite:///{run_dir / 'mlflow.db'}"
     print(f"\nfinished in {time.time() - t0:.0f} s\n", flush=True)
     vitpipe("compare", "--tracking-uri", uri, "--experiment", "demo", "--metric", "eval/top1",

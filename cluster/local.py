@@ -7,6 +7,7 @@ python -m cluster.local stop
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -86,8 +87,28 @@ def add_worker_node(cluster: LocalCluster, num_cpus: int = 2, name: str = "worke
         raise RuntimeError(f"`{' '.join(cmd)}` failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
 
 
-def stop() -> None:
-    subprocess.run([_ray_bin(), "stop", "--force"], env=auth_env(), capture_output=True, text=True)
+def stop(cluster: LocalCluster | None = None) -> None:
+    """Stop `cluster`'s processes only (head and its nodes share one session name); None stops all of Ray."""
+    if cluster is None:
+        subprocess.run([_ray_bin(), "stop", "--force"], env=auth_env(), capture_output=True, text=True)
+        return
+    import psutil  # a Ray dependency
+
+    session = Path(cluster.temp_dir, "session_latest").resolve().name  # session_2026-..._PID
+    procs = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if p.pid != os.getpid() and session in " ".join(p.info["cmdline"] or []):
+                procs.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=15)
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
 
 
 def main(argv: list[str] | None = None) -> int:

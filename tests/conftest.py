@@ -17,7 +17,7 @@ def ray_cluster():
     cluster = local.start_head(temp_dir, num_cpus=2)
     local.add_worker_node(cluster, num_cpus=2)
     yield cluster
-    local.stop()
+    local.stop(cluster)
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 

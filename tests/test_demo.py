@@ -1,0 +1,33 @@
+"""The reduced demo: the same journey as `make demo` (shards, local Ray, ray job submit, compare), shorter."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+ROOT = Path(__file__).parents[1]
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_reduced_demo_runs_end_to_end(tmp_path):
+    run_dir, data = tmp_path / "runs", tmp_path / "data"
+    cmd = [sys.executable, "-m", "cluster.demo", "--size", "small", "--run-dir", str(run_dir), "--data-dir", str(data)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    for stage in ("pretrain", "finetune", "eval_finetune", "finetune_scratch", "eval_scratch"):
+        assert (run_dir / stage / "DONE.json").is_file(), stage
+    # The compare table, the figures and the MLflow UI command are printed.
+    assert "eval/top1" in out and "MLflow UI:" in out and "figures:" in out
+    assert list((run_dir / "eval_finetune" / "figures").glob("*.png"))
+    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("demo")
+    runs = {r.info.run_name: r for r in client.search_runs([exp.experiment_id])}
+    assert runs["demo"].info.status == "FINISHED" and 0.0 <= runs["eval_finetune"].data.metrics["eval/top1"] <= 1.0
+    # Re-running reuses the shards and the finished stages.
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
+    assert "$ vitpipe shard" not in again.stdout and again.stdout.count("already finished") == 5
