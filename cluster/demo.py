@@ -74,10 +74,15 @@ def _demo(argv: list[str] | None) -> int:
         f"stages.pretrain.data.train={data / 'synthetic'}",
         f"stages.pretrain.optim.steps={size['pretrain']}",
         f"stages.pretrain.optim.warmup_steps={size['pretrain'] // 10}",
-        *(f"stages.{s}.data.train={data / 'digits'}" for s in ("finetune", "eval_finetune", "finetune_scratch",
-                                                                "eval_scratch")),  # fmt: skip
+        *(
+            f"stages.{s}.data.train={data / 'digits'}"
+            for s in ("finetune", "eval_finetune", "finetune_scratch", "eval_scratch")
+        ),  # fmt: skip
         *(f"stages.{s}.optim.steps={size['finetune']}" for s in ("finetune", "finetune_scratch")),
-        *(f"stages.{s}.optim.warmup_steps={size['finetune'] // 10}" for s in ("finetune", "finetune_scratch")),
+        *(
+            f"stages.{s}.optim.warmup_steps={size['finetune'] // 10}"
+            for s in ("finetune", "finetune_scratch")
+        ),
     ]
     temp_dir = tempfile.mkdtemp(prefix="vpdemo", dir="/tmp")  # short: Ray's socket paths have a length limit
     print(f"starting a local Ray cluster (head + 1 node, token auth) in {temp_dir}", flush=True)
@@ -95,7 +100,9 @@ def _demo(argv: list[str] | None) -> int:
     figures = sorted(run_dir.glob("*/figures/*.png"))
     if figures:
         print("\nfigures:\n" + "\n".join(f"  {f}" for f in figures))
-    print(f"\nMLflow UI: {Path(sys.executable).with_name('mlflow')} ui --backend-store-uri {uri} --host 127.0.0.1")
+    print(
+        f"\nMLflow UI: {Path(sys.executable).with_name('mlflow')} ui --backend-store-uri {uri} --host 127.0.0.1"
+    )
     return 0
 
 

@@ -77,9 +77,14 @@ def start_head(temp_dir: str, num_cpus: int = 4, include_dashboard: bool = True)
 
 
 def add_worker_node(cluster: LocalCluster, num_cpus: int = 2, name: str = "worker1") -> None:
-    """A second Ray node on this machine (its own raylet and resources), joined to the head."""
+    """A second Ray node on this machine (its own raylet, resources and temp dir), joined to the head.
+
+    Its own temp dir matters: two raylets sharing one session folder garbage-collect each other's
+    runtime-env packages, deleting a running job's working directory.
+    """
     cmd = [
         _ray_bin(), "start", "--address", cluster.address, "--node-ip-address", "127.0.0.1",
+        "--temp-dir", f"{cluster.temp_dir}-{name}",
         "--num-cpus", str(num_cpus), "--resources", json.dumps({f"node:{name}": 1}), "--disable-usage-stats",
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=auth_env(), capture_output=True, text=True)

@@ -49,19 +49,21 @@ def _worker(config: dict) -> None:
         train(cfg, report=ray.train.report, parent_run_id=config["parent_run_id"])
 
 
-def connect(address: str | None, use_gpu: bool) -> None:
-    """Join the cluster (`address`, RAY_ADDRESS, or inside a Ray job), else start a private local Ray."""
+def connect(address: str | None) -> None:
+    """Join the cluster (`address`, RAY_ADDRESS, or inside a Ray job), else start a private local Ray.
+
+    No runtime_env here: inside a job it would conflict with the job's own, and workers need none
+    (the engine picks DS_ACCELERATOR from what the worker sees).
+    """
     import ray
 
     if ray.is_initialized():
         return
-    env = {"DS_ACCELERATOR": "cuda" if use_gpu else "cpu"}
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, runtime_env={"env_vars": env})
-    else:
-        # A private local instance, every service on loopback.
-        ray.init(runtime_env={"env_vars": env}, include_dashboard=False, _node_ip_address="127.0.0.1")
+        ray.init(address=address)
+    else:  # a private local instance, every service on loopback
+        ray.init(include_dashboard=False, _node_ip_address="127.0.0.1")
 
 
 def run_stage(cfg: ExperimentConfig, parent_run_id: str | None = None):
@@ -76,7 +78,7 @@ def run_stage(cfg: ExperimentConfig, parent_run_id: str | None = None):
     data = cfg.data.model_copy(update={"train": train})
     cfg = cfg.model_copy(update={"run_dir": str(cfg.run_path), "data": data})
     prepare_data(cfg)
-    connect(cfg.cluster.address, cfg.cluster.use_gpu)
+    connect(cfg.cluster.address)
     c = cfg.cluster
     trainer = TorchTrainer(
         _worker,
@@ -122,7 +124,7 @@ def run_experiment(exp: Experiment) -> int:
     """Run every unfinished stage in order; returns the process exit status."""
     exp.run_path.mkdir(parents=True, exist_ok=True)
     first = exp.stages[0][1].cluster
-    connect(first.address, any(c.cluster.use_gpu for _, c in exp.stages))
+    connect(first.address)
     stopper = _StopOnSigterm()  # after ray.init, which installs a SIGTERM handler of its own
     parent_file = exp.parent_run_file
     previous = json.loads(parent_file.read_text())["run_id"] if parent_file.is_file() else None

@@ -101,13 +101,21 @@ def submit(config: str, overrides: list[str], address: str | None, python: str =
     }
     entrypoint = " ".join(shlex.quote(a) for a in [python, "-m", "cluster.run", rel_config, *overrides])
     sid = submission_id(exp.name)
-    client(address).submit_job(
-        entrypoint=entrypoint,
-        submission_id=sid,
-        runtime_env={"working_dir": str(root), "excludes": EXCLUDES, "env_vars": env_vars},
-        metadata={"experiment": exp.name, "config": rel_config},
-    )
-    return sid
+    c = client(address)
+    deadline = time.time() + 120
+    while True:
+        try:
+            c.submit_job(
+                entrypoint=entrypoint,
+                submission_id=sid,
+                runtime_env={"working_dir": str(root), "excludes": EXCLUDES, "env_vars": env_vars},
+                metadata={"experiment": exp.name, "config": rel_config},
+            )
+            return sid
+        except RuntimeError as exc:  # a cluster that just started has no job agent for a few seconds
+            if "No available agent" not in str(exc) or time.time() > deadline:
+                raise
+            time.sleep(2)
 
 
 async def _tail(c, sid: str) -> None:

@@ -222,8 +222,10 @@ def differing_params(runs: Sequence[Run]) -> list[str]:
 
     A key absent from a top-level run counts as a value of its own (a config field one run lacks is a
     difference). A nested child run that lacks its parent's keys does not: children log only their
-    own params and inherit the rest, so counting those absences would list every parent param.
+    own params and inherit the rest, so counting those absences would list every parent param. A run
+    with no params at all (an experiment's parent run) is left out of the comparison for the same reason.
     """
+    runs = [r for r in runs if r.data.params]
     ids = {r.info.run_id for r in runs}
     is_child = [r.data.tags.get(PARENT_TAG) in ids for r in runs]
     keys = sorted({k for r in runs for k in r.data.params})

@@ -19,6 +19,7 @@ def ray_cluster():
     yield cluster
     local.stop(cluster)
     shutil.rmtree(temp_dir, ignore_errors=True)
+    shutil.rmtree(f"{temp_dir}-worker1", ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,17 @@ ROOT = Path(__file__).parents[1]
 @pytest.mark.slow
 def test_reduced_demo_runs_end_to_end(tmp_path):
     run_dir, data = tmp_path / "runs", tmp_path / "data"
-    cmd = [sys.executable, "-m", "cluster.demo", "--size", "small", "--run-dir", str(run_dir), "--data-dir", str(data)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "cluster.demo",
+        "--size",
+        "small",
+        "--run-dir",
+        str(run_dir),
+        "--data-dir",
+        str(data),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
@@ -26,7 +36,10 @@ def test_reduced_demo_runs_end_to_end(tmp_path):
     client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
     exp = client.get_experiment_by_name("demo")
     runs = {r.info.run_name: r for r in client.search_runs([exp.experiment_id])}
-    assert runs["demo"].info.status == "FINISHED" and 0.0 <= runs["eval_finetune"].data.metrics["eval/top1"] <= 1.0
+    assert (
+        runs["demo"].info.status == "FINISHED"
+        and 0.0 <= runs["eval_finetune"].data.metrics["eval/top1"] <= 1.0
+    )
     # Re-running reuses the shards and the finished stages.
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
