@@ -352,9 +352,7 @@ def _describe(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
-def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> ExperimentConfig:
-    """Read YAML, apply dotted overrides, validate. Relative `data.train` resolves against the CWD."""
-    path = Path(path)
+def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
     try:
@@ -363,6 +361,13 @@ def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> 
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
+    return raw
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Read YAML, apply dotted overrides, validate. Relative `data.train` resolves against the CWD."""
+    path = Path(path)
+    raw = _read_yaml(path)
     raw = _with_bases(raw, path, seen=(path.resolve(),))
     raw = apply_overrides(raw, list(overrides or []))
     return validate_config(raw, source=str(path))
@@ -457,14 +462,7 @@ STAGE_SECTIONS = ("model", "data", "objective", "optim", "deepspeed", "checkpoin
 
 def load_experiment(path: str | os.PathLike, overrides: list[str] | None = None) -> Experiment:
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{path}: config file not found")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
+    raw = _read_yaml(path)
     if "stages" not in raw:
         cfg = load_config(path, overrides)
         return Experiment(name=cfg.name, run_path=cfg.run_path, tracking_uri=cfg.tracking_uri,
