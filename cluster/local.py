@@ -42,6 +42,16 @@ def auth_env() -> dict[str, str]:
     return {**os.environ, "RAY_AUTH_MODE": "token"}
 
 
+def _node_ports() -> list[str]:
+    """Free ports for a node's agents: their fixed defaults (e.g. 52365) collide when two Ray
+    clusters share a machine, and the second cluster's job agent then never comes up."""
+    return [
+        "--dashboard-agent-listen-port", str(_free_port()), "--dashboard-agent-grpc-port", str(_free_port()),
+        "--runtime-env-agent-port", str(_free_port()), "--metrics-export-port", str(_free_port()),
+        "--ray-client-server-port", str(_free_port()),
+    ]  # fmt: skip
+
+
 def ensure_token() -> None:
     """Token authentication needs a token before the head starts; make one for this user if none exists."""
     if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
@@ -69,6 +79,7 @@ def start_head(temp_dir: str, num_cpus: int = 4, include_dashboard: bool = True)
         "--dashboard-host", "127.0.0.1",
         "--dashboard-port", str(dash),
         "--disable-usage-stats",
+        *_node_ports(),
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=auth_env(), capture_output=True, text=True)
     if proc.returncode != 0:
@@ -85,7 +96,7 @@ def add_worker_node(cluster: LocalCluster, num_cpus: int = 2, name: str = "worke
     cmd = [
         _ray_bin(), "start", "--address", cluster.address, "--node-ip-address", "127.0.0.1",
         "--temp-dir", f"{cluster.temp_dir}-{name}",
-        "--num-cpus", str(num_cpus), "--resources", json.dumps({f"node:{name}": 1}), "--disable-usage-stats",
+        "--num-cpus", str(num_cpus), "--resources", json.dumps({f"node:{name}": 1}), "--disable-usage-stats", *_node_ports(),
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=auth_env(), capture_output=True, text=True)
     if proc.returncode != 0:

