@@ -27,6 +27,7 @@ def vit_param_count(patch, width, depth, mlp, classes, img=224, channels=3):
         ("vit_b16", (16, 768, 12, 3072), 86e6),
         ("vit_l16", (16, 1024, 24, 4096), 307e6),
         ("vit_h14", (14, 1280, 32, 5120), 632e6),
+        ("vit_G14", (14, 1664, 48, 8192), 1843e6),  # Zhai et al. 2022, Table 2
     ],
 )
 def test_parameter_counts_match_paper_and_formula(name, shape, paper):
@@ -62,6 +63,6 @@ def test_gap_pooling_and_head_bias_overrides():
 
 
 def test_registry_lists_the_family_and_rejects_unknown_names():
-    assert {"vit_debug", "vit_ti16", "vit_b16", "vit_h14", "vit_g14"} <= set(list_models())
+    assert {"vit_debug", "vit_ti16", "vit_b16", "vit_h14", "vit_g14", "vit_G14"} <= set(list_models())
     with pytest.raises(KeyError, match="unknown model 'vit_x'"):
         create_model("vit_x")

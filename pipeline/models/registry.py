@@ -82,6 +82,12 @@ def vit_g14(**kw):
 
 
 @register
+def vit_G14(**kw):
+    """ViT-G/14 of "Scaling Vision Transformers" (Zhai et al. 2022): width 1664, depth 48, MLP 8192, 16 heads."""
+    return _vit(14, 1664, 48, 16, 8192, **kw)
+
+
+@register
 def vit_r50_b16(**kw):
     """R50+ViT-B/16 hybrid: ResNet-50 stages (3, 4, 9) at stride 16 feed 1x1 patches into ViT-B."""
     return _vit(16, 768, 12, 12, 3072, **{"hybrid_layers": (3, 4, 9), **kw})
