@@ -99,9 +99,11 @@ class TeacherConfig(_Section):
 
 
 class ObjectiveConfig(_Section):
-    name: Literal["supervised_softmax", "supervised_sigmoid", "mae", "masked_patch_prediction", "distill"] = (
-        Field("supervised_softmax", description="Training objective.")
-    )
+    name: Literal["supervised_softmax", "supervised_sigmoid", "mae", "simmim", "masked_patch_prediction",
+                  "distill"] = Field(
+        "supervised_softmax",
+        description="Training objective; mae needs an mae_* model, simmim a simmim_* model (Swin, CvT, TNT).",
+    )  # fmt: skip
     label_smoothing: float = Field(0.0, ge=0.0, lt=1.0, description="Label smoothing (softmax and distill).")
     head_bias_init: float | None = Field(
         None, description="Classifier bias init; null means 0 for softmax and -10 for sigmoid (big_vision)."
@@ -186,6 +188,13 @@ class CheckpointConfig(_Section):
     every_steps: int = Field(0, ge=0, description="Save every N steps; 0 saves only at the end.")
     keep_last: int = Field(2, gt=0, description="Checkpoints kept on disk.")
     export: bool = Field(True, description="Export consolidated fp32 weights (safetensors) at the end.")
+    uri: str | None = Field(
+        None,
+        description="Object storage for checkpoints and the export (s3://bucket/prefix, gs://..., any pyarrow "
+        "or fsspec URI): every rank uploads its shards after a save, resume downloads them, so nodes need no "
+        "shared filesystem. Credentials come from the environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS). "
+        "In a multi-stage experiment the top-level `storage` sets it per stage.",
+    )
 
 
 class DebugConfig(_Section):
@@ -455,7 +464,7 @@ class Experiment(BaseModel):
         return self.run_path / "parent_run.json"
 
 
-EXPERIMENT_KEYS = ("name", "seed", "run_dir", "cluster", "tracking", "defaults", "stages", "base")
+EXPERIMENT_KEYS = ("name", "seed", "run_dir", "storage", "cluster", "tracking", "defaults", "stages", "base")
 # Stage sections written at the top of a multi-stage file (e.g. by a `base:` preset) act as defaults.
 STAGE_SECTIONS = ("model", "data", "objective", "optim", "deepspeed", "checkpoint", "eval", "debug")
 
@@ -484,6 +493,16 @@ def load_experiment(path: str | os.PathLike, overrides: list[str] | None = None)
     if not name:
         raise ConfigError(f"{path}: name: required key is missing")
     run_path = Path(str(raw.get("run_dir", "runs/{name}")).format(name=name)).absolute()
+    # storage: object storage for every stage's checkpoints and export (STORAGE/STAGE/...), so stages may
+    # run on machines that share no filesystem; run_dir stays the node-local scratch and MLflow file.
+    storage = raw.get("storage")
+    storage = None if storage is None else str(storage).format(name=name)
+
+    def stored(*parts: str) -> str:  # storage/parts, keeping a ?query (s3 endpoint options) at the end
+        base, _, query = storage.partition("?")
+        joined = "/".join([base.rstrip("/"), *parts])
+        return f"{joined}?{query}" if query else joined
+
     tracking = dict(raw.get("tracking") or {})
     uri = tracking.get("uri") or f"sqlite:///{run_path / 'mlflow.db'}"
     resolved: list[tuple[str, ExperimentConfig]] = []
@@ -494,13 +513,15 @@ def load_experiment(path: str | os.PathLike, overrides: list[str] | None = None)
         merged = _deep_merge({"cluster": raw.get("cluster") or {}}, merged)
         merged.update(name=stage_name, seed=raw.get("seed", 0), run_dir=str(run_path / stage_name),
                       tracking={**tracking, **(merged.get("tracking") or {}), "uri": uri, "experiment": name})  # fmt: skip
+        if storage is not None:
+            merged["checkpoint"] = {"uri": stored(stage_name), **(merged.get("checkpoint") or {})}
         init = (merged.get("model") or {}).get("init_from")
         if init is not None and init in stages:
             if init not in [n for n, _ in resolved]:
                 raise ConfigError(
                     f"{path}: stages.{stage_name}.model.init_from: stage {init!r} does not run before it"
                 )
-            merged["model"]["init_from"] = str(run_path / init / "export")
+            merged["model"]["init_from"] = stored(init, "export") if storage else str(run_path / init / "export")
         resolved.append((stage_name, validate_config(merged, source=f"{path} stages.{stage_name}")))
     return Experiment(name=name, run_path=run_path, tracking_uri=uri, stages=resolved, source=str(path))
 

@@ -9,6 +9,12 @@
 Resume walks the tags newest first and takes the first one that is complete and whose files match
 COMPLETE.json; a newest checkpoint cut short or corrupted is skipped with a warning. All ranks agree
 on the choice through an all-reduce, so no rank loads a different step than another.
+
+With a remote store (`checkpoint.uri`: s3://, gs://, ...), each rank uploads the files it wrote, and
+rank 0 uploads COMPLETE.json and then `latest` once every rank has: a remote tag without
+COMPLETE.json is a save cut short. Resume takes remote tags into the same walk, downloading one onto
+each node (its first local rank) when the local copy is missing or broken, so a run resumes on
+machines that never saw its earlier steps.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from pipeline.train.storage import Store
 
 log = logging.getLogger(__name__)
 
@@ -74,22 +82,46 @@ class Restored:
     extra: dict  # this rank's saved extra state (data-stream position, ...)
 
 
-def save(engine, ckpt_dir: Path, step: int, keep_last: int, rank: int, extra: dict | None = None) -> Path:
+def owned_by(name: str, rank: int) -> bool:
+    """Whether `rank` wrote this file of a tag: its ZeRO shards and RNG state; rank 0 also the model states."""
+    if f"rank_{rank}_" in name or name == f"rank_{rank}.pt":
+        return True
+    return rank == 0 and not any(f"rank_{r}_" in name or name == f"rank_{r}.pt"
+                                 for r in range(1, dist.get_world_size()))  # fmt: skip
+
+
+def save(engine, ckpt_dir: Path, step: int, keep_last: int, rank: int, extra: dict | None = None,
+         group=None, store: Store | None = None) -> Path:  # fmt: skip
     """Collective: every rank must call it (rank-0-only saving hangs, DeepSpeed issue 2993)."""
     tag = tag_for(step)
     tag_dir = ckpt_dir / tag
     if rank == 0 and tag_dir.exists():
         shutil.rmtree(tag_dir)  # a leftover of a run killed mid-save: never mix old and new files
+    if rank == 0 and store is not None:
+        store.delete_dir(tag)  # likewise remotely (COMPLETE.json goes first with the folder)
     dist.barrier()
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, save_latest=False)
     torch.save({"rng": rng_state(), "extra": extra or {}}, tag_dir / f"rank_{rank}.pt")
-    dist.barrier()  # every rank's files are on disk
+    dist.barrier()  # every rank's files are on disk (its own node's disk, without a shared filesystem)
+    # Each rank describes (and uploads) the files it wrote; rank 0 records them all.
+    mine = sorted(p for p in tag_dir.iterdir() if p.is_file() and owned_by(p.name, rank) and p.name != COMPLETE)
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in mine}
+    if store is not None:
+        for p in mine:
+            store.upload(p, f"{tag}/{p.name}")
+    parts: list | None = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(files, parts, dst=0, group=group)
     if rank == 0:
-        files = sorted(p for p in tag_dir.iterdir() if p.is_file() and p.name != COMPLETE)
         record = {"step": step, "world_size": dist.get_world_size(),
-                  "files": {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}}  # fmt: skip
-        _atomic_write(tag_dir / COMPLETE, json.dumps(record, indent=1))
+                  "files": {k: v for part in parts for k, v in sorted(part.items())}}  # fmt: skip
+        text = json.dumps(record, indent=1)
+        _atomic_write(tag_dir / COMPLETE, text)
         _atomic_write(ckpt_dir / LATEST, tag)
+        if store is not None:
+            store.write_text(f"{tag}/{COMPLETE}", text)  # after every rank's upload: the tag is complete
+            store.write_text(LATEST, tag)
+            for old in sorted(t for t in store.list_dirs() if t.startswith("step_"))[:-keep_last]:
+                store.delete_dir(old)
         tags = sorted(p for p in ckpt_dir.glob("step_*") if p.is_dir())
         for old in tags[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
@@ -133,14 +165,34 @@ def all_agree(ok: bool, group=None) -> bool:
     return bool(flag.item())
 
 
-def resume(engine, ckpt_dir: Path, rank: int, world_size: int, group=None,
-           load_optimizer: bool = True) -> Restored | None:  # fmt: skip
+def _remote_tags(store: Store | None, rank: int, group) -> list[str]:
+    """Tags on the store that have COMPLETE.json, listed by rank 0 and broadcast (one listing, one view)."""
+    if store is None:
+        return []
+    box = [sorted(t for t in store.list_dirs() if t.startswith("step_") and store.exists(f"{t}/{COMPLETE}"))
+           if rank == 0 else None]  # fmt: skip
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def resume(engine, ckpt_dir: Path, rank: int, world_size: int, group=None, load_optimizer: bool = True,
+           store: Store | None = None, local_rank: int = 0) -> Restored | None:  # fmt: skip
     """Load the newest complete checkpoint, falling back past broken ones; None if there is none."""
-    if not ckpt_dir.is_dir():
-        return None
-    tags = sorted((p for p in ckpt_dir.glob("step_*") if p.is_dir()), reverse=True)
+    remote = set(_remote_tags(store, rank, group))
+    local = {p.name for p in ckpt_dir.glob("step_*") if p.is_dir()} if ckpt_dir.is_dir() else set()
+    tags = [ckpt_dir / t for t in sorted(local | remote, reverse=True)]
     for tag_dir in tags:
         problem = verify(tag_dir, rank, world_size)
+        if tag_dir.name in remote and not all_agree(problem is None, group):
+            # Fetch the stored copy onto this node (its first local rank), then check it as any other.
+            if local_rank == 0:
+                if problem and tag_dir.exists():
+                    shutil.rmtree(tag_dir, ignore_errors=True)
+                if not tag_dir.exists():
+                    log.info("rank %d: downloading checkpoint %s from %s", rank, tag_dir.name, store)
+                    store.download_dir(tag_dir.name, tag_dir)
+            dist.barrier(group=group)
+            problem = verify(tag_dir, rank, world_size)
         if not all_agree(problem is None, group):
             if rank == 0 or problem:
                 log.warning(

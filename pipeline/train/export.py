@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from pipeline.models import create_model
+from pipeline.train.storage import Store, is_uri
 
 WEIGHTS, META = "model.safetensors", "model.json"
 
@@ -40,7 +42,14 @@ def export_weights(
 
 
 def load_exported(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """(state dict, description) of an export folder or its .safetensors file."""
+    """(state dict, description) of an export folder or its .safetensors file, local or on object storage."""
+    if is_uri(path):
+        with tempfile.TemporaryDirectory(prefix="vitpipe-export-") as tmp:
+            local = Store(str(path)).download_dir("", Path(tmp) / "export")
+            if not (local / WEIGHTS).is_file():
+                raise FileNotFoundError(f"{path}: no exported weights ({WEIGHTS}) at this storage location")
+            state, meta = load_exported(local)
+            return state, {**meta, "source": str(path)}
     path = Path(path)
     weights = path / WEIGHTS if path.is_dir() else path
     if not weights.is_file():

@@ -27,13 +27,14 @@ import torch.distributed as dist
 
 from pipeline.config import ExperimentConfig, flatten, save_resolved
 from pipeline.data.loader import dataset_info, make_train_loader
-from pipeline.models import VisionTransformer, create_model
+from pipeline.models import create_model
 from pipeline.models.convert import load_timm_state_dict
 from pipeline.objectives import build_objective
 from pipeline.tracking import Tracker
 from pipeline.train import checkpoint
 from pipeline.train.engine import build_engine, consolidated_state_dict, init_distributed, scaled_lr
 from pipeline.train.export import export_weights, load_exported
+from pipeline.train.storage import Store, child
 
 log = logging.getLogger(__name__)
 RUN_ID_FILE = "mlflow_run.json"
@@ -114,8 +115,6 @@ def train_step(engine, objective, batches, device: torch.device, seed: int, step
 
 def init_weights(model, source: str, init_head: bool) -> None:
     """Start from exported weights (a pretraining stage's, or public ones in the timm layout)."""
-    if not isinstance(model, VisionTransformer):
-        raise ValueError(f"model.init_from needs a plain ViT to load into, got {type(model).__name__}")
     state, meta = load_exported(source)
     load_timm_state_dict(model, state, strict_head=init_head, reset_head=not init_head)
     log.info("initialised from %s (%s, step %s)", source, meta.get("model", "?"), meta.get("step", "?"))
@@ -159,8 +158,15 @@ def train(cfg: ExperimentConfig, report: Callable[[dict], None] | None = None,
     # -- engine, then resume (weights, optimizer, scheduler, RNG, stream position)
     engine, _, lr_scheduler = build_engine(model, cfg, ctx)
     objective.prepare(engine.module, ctx.device)
+    store = Store(cfg.checkpoint.uri) if cfg.checkpoint.uri else None  # object storage: s3://, gs://, ...
     restored = checkpoint.resume(engine, ckpt_dir, ctx.rank, ctx.world_size, ctx.control_group,
-                                 load_optimizer=cfg.debug.resume_optimizer)  # fmt: skip
+                                 load_optimizer=cfg.debug.resume_optimizer, store=store,
+                                 local_rank=ctx.local_rank)  # fmt: skip
+
+    def save(step: int) -> Path:
+        return checkpoint.save(engine, ckpt_dir, step, cfg.checkpoint.keep_last, ctx.rank, {"step": step},
+                               group=ctx.control_group, store=store)  # fmt: skip
+
     start = restored.step if restored else 0
     accum = cfg.deepspeed.grad_accum
     global_batch = cfg.data.batch_size * accum * ctx.world_size
@@ -195,7 +201,8 @@ def train(cfg: ExperimentConfig, report: Callable[[dict], None] | None = None,
                                     "derived.num_params": num_params,
                                     "derived.flops_per_image": flops_img})  # fmt: skip
                 tracker.log_artifact(str(run_path / "config.yaml"))
-            tracker.set_tags({"checkpoint_dir": str(ckpt_dir)})
+            tracker.set_tags({"checkpoint_dir": str(ckpt_dir),
+                              **({"checkpoint_uri": cfg.checkpoint.uri} if store else {})})  # fmt: skip
             print(
                 f"[{cfg.name}] {cfg.model.name} {num_params / 1e6:.2f}M params | "
                 f"{cfg.objective.name} | world {ctx.world_size} | global batch {global_batch} | "
@@ -251,7 +258,7 @@ def train(cfg: ExperimentConfig, report: Callable[[dict], None] | None = None,
                           flush=True)  # fmt: skip
             interrupted = not checkpoint.all_agree(not stop.requested, ctx.control_group)
             if interrupted or done == cfg.debug.stop_at_step:
-                checkpoint.save(engine, ckpt_dir, done, cfg.checkpoint.keep_last, ctx.rank, {"step": done})
+                save(done)
                 tracker.status = "KILLED"
                 stopped_early = True
                 if ctx.is_main:
@@ -269,20 +276,23 @@ def train(cfg: ExperimentConfig, report: Callable[[dict], None] | None = None,
                 and done % cfg.checkpoint.every_steps == 0
                 and done < cfg.optim.steps
             ):
-                checkpoint.save(engine, ckpt_dir, done, cfg.checkpoint.keep_last, ctx.rank, {"step": done})
+                save(done)
         stop.restore()
 
         # -- final checkpoint and consolidated export
         export_path = None
         final_dir = ckpt_dir / checkpoint.tag_for(cfg.optim.steps)
         if not stopped_early:
-            final_dir = checkpoint.save(engine, ckpt_dir, cfg.optim.steps, cfg.checkpoint.keep_last, ctx.rank,
-                                        {"step": cfg.optim.steps})  # fmt: skip
+            final_dir = save(cfg.optim.steps)
             if cfg.checkpoint.export:
                 state = consolidated_state_dict(engine, str(ckpt_dir), final_dir.name)
                 if ctx.is_main:
                     export_path = str(export_weights(state, cfg.model.name, model_kwargs, run_path / "export",
                                                      cfg.optim.steps))  # fmt: skip
+                    if store is not None:  # the next stage may run on other machines: it reads this copy
+                        for f in sorted((run_path / "export").iterdir()):
+                            store.upload(f, f"export/{f.name}")
+                        tracker.set_tags({"export_uri": child(cfg.checkpoint.uri, "export")})
                     tracker.set_tags({"export": export_path})
                 dist.barrier()
             tracker.set_tags({"checkpoint": str(final_dir)})

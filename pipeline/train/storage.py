@@ -1,0 +1,129 @@
+"""Checkpoints and exports on object storage: a folder addressed by URI, through pyarrow's filesystems.
+
+    store = Store("s3://bucket/experiments/demo/pretrain")       # or gs://, hdfs://, file:///shared/...
+    store.upload(Path("runs/demo/pretrain/checkpoints/step_00000100/rank_1.pt"), "checkpoints/step_00000100/rank_1.pt")
+    store.download_dir("export", Path("/tmp/export"))
+
+Training never reads or writes object storage directly: DeepSpeed saves into the node-local run
+directory, then each rank uploads the files it wrote, and resume downloads a checkpoint onto each
+node before DeepSpeed loads it. So the checkpoint shards of all ranks land in one place whether or
+not the nodes share a filesystem.
+
+Credentials and endpoints come from the environment, never from configs: pyarrow reads the standard
+variables (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_ENDPOINT_URL, or instance
+roles; GOOGLE_APPLICATION_CREDENTIALS for gs://). S3 options that are not secret may ride in the URI's
+query (`s3://bucket/prefix?endpoint_override=minio:9000&scheme=http&region=us-east-1`). Schemes that
+pyarrow lacks but an installed fsspec implementation has (az://, abfs://, ...) go through fsspec.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pyarrow.fs as pafs
+
+
+def is_uri(location: str | os.PathLike | None) -> bool:
+    """True for `scheme://...` locations (file:// included), False for plain paths."""
+    return location is not None and "://" in str(location)
+
+
+def _filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
+    try:
+        return pafs.FileSystem.from_uri(uri)
+    except ValueError as exc:  # pyarrow's ArrowInvalid: a scheme it was not built with
+        scheme = urlsplit(uri).scheme
+        try:
+            import fsspec
+
+            fs = fsspec.filesystem(scheme)
+        except (ImportError, ValueError) as fs_exc:
+            raise ValueError(
+                f"storage URI {uri!r}: neither pyarrow ({exc}) nor fsspec ({fs_exc}) has a filesystem for "
+                f"{scheme}://; install its fsspec package (e.g. adlfs for az://)"
+            ) from None
+        return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), uri.split("://", 1)[1].split("?", 1)[0]
+
+
+class Store:
+    """A folder on local, shared or object storage; paths inside it are relative POSIX strings."""
+
+    def __init__(self, uri: str):
+        self.uri = uri
+        self.fs, root = _filesystem(uri)
+        self.root = root.rstrip("/")
+
+    def __repr__(self) -> str:
+        return f"Store({self.uri.split('?', 1)[0]!r})"
+
+    def _path(self, rel: str) -> str:
+        return f"{self.root}/{rel}" if rel else self.root
+
+    def exists(self, rel: str) -> bool:
+        return self.fs.get_file_info(self._path(rel)).type != pafs.FileType.NotFound
+
+    def list_dirs(self, rel: str = "") -> list[str]:
+        """Names of the sub-folders of `rel` (object stores: common prefixes); [] when it does not exist."""
+        if not self.exists(rel):
+            return []
+        infos = self.fs.get_file_info(pafs.FileSelector(self._path(rel), allow_not_found=True))
+        return sorted(Path(i.path).name for i in infos if i.type == pafs.FileType.Directory)
+
+    def list_files(self, rel: str) -> list[str]:
+        infos = self.fs.get_file_info(pafs.FileSelector(self._path(rel), allow_not_found=True))
+        return sorted(Path(i.path).name for i in infos if i.type == pafs.FileType.File)
+
+    def read_text(self, rel: str) -> str:
+        with self.fs.open_input_stream(self._path(rel)) as f:
+            return f.read().decode()
+
+    def write_text(self, rel: str, text: str) -> None:
+        """One PUT on object stores (atomic: readers see the old object or the new one)."""
+        self._ensure_parent(rel)
+        with self.fs.open_output_stream(self._path(rel)) as f:
+            f.write(text.encode())
+
+    def upload(self, local: Path, rel: str) -> None:
+        self._ensure_parent(rel)
+        pafs.copy_files(str(local), self._path(rel), source_filesystem=pafs.LocalFileSystem(),
+                        destination_filesystem=self.fs)  # fmt: skip
+
+    def download_dir(self, rel: str, local: Path) -> Path:
+        """Copy the folder `rel` to `local` atomically: into a temporary sibling, then one rename.
+
+        Returns `local`. If another process on this node put a complete copy there first, ours is
+        discarded and theirs kept (both came from the same objects).
+        """
+        local.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{local.name}.", dir=local.parent))
+        try:
+            for name in self.list_files(rel):
+                pafs.copy_files(self._path(f"{rel}/{name}" if rel else name), str(tmp / name), source_filesystem=self.fs,
+                                destination_filesystem=pafs.LocalFileSystem())  # fmt: skip
+            try:
+                os.replace(tmp, local)  # fails if `local` is a non-empty folder: someone else won
+            except OSError:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return local
+
+    def delete_dir(self, rel: str) -> None:
+        if self.exists(rel):
+            self.fs.delete_dir(self._path(rel))
+
+    def _ensure_parent(self, rel: str) -> None:
+        parent = self._path(rel).rsplit("/", 1)[0]
+        self.fs.create_dir(parent, recursive=True)  # a no-op on object stores without folders
+
+
+def child(uri: str, *parts: str) -> str:
+    """`uri` with path parts appended, keeping its query (s3://b/p?x=1 -> s3://b/p/a/b?x=1)."""
+    base, _, query = uri.partition("?")
+    joined = "/".join([base.rstrip("/"), *parts])
+    return f"{joined}?{query}" if query else joined

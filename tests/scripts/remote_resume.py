@@ -1,0 +1,43 @@
+"""Run under torchrun (2 ranks): checkpoints on object storage survive the loss of the local run directory.
+
+    torchrun --nproc-per-node 2 tests/scripts/remote_resume.py OUT_DIR DATA_DIR STORE_URI
+
+OUT_DIR/straight: 8 uninterrupted steps, local checkpoints only. OUT_DIR/remote: the same run with
+checkpoint.uri=STORE_URI, stopped at step 4; its local checkpoints are then deleted (a new machine)
+and the run is started again, which must resume from the stored step 4.
+"""
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from pipeline.config import load_config
+from pipeline.train.loop import train
+
+SMOKE = Path(__file__).parents[2] / "configs/experiments/smoke.yaml"
+
+
+def run(out: Path, data: str, name: str, *extra: str) -> None:
+    overrides = [
+        f"run_dir={out}/{name}", f"data.train={data}", "cluster.launcher=local", "deepspeed.zero_stage=2",
+        "optim.steps=8", "optim.warmup_steps=2", "data.num_workers=1", "tracking.system_metrics=false", *extra,
+    ]  # fmt: skip
+    train(load_config(SMOKE, overrides))
+
+
+def main() -> None:
+    out, data, uri = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    run(out, data, "straight")
+    run(out, data, "remote", f"checkpoint.uri={uri}", "debug.stop_at_step=4")
+    dist.barrier()
+    if int(os.environ["RANK"]) == 0:
+        shutil.rmtree(out / "remote" / "checkpoints")  # the machine that saved step 4 is gone
+    dist.barrier()
+    run(out, data, "remote", f"checkpoint.uri={uri}")
+
+
+if __name__ == "__main__":
+    main()
