@@ -521,7 +521,9 @@ def load_experiment(path: str | os.PathLike, overrides: list[str] | None = None)
                 raise ConfigError(
                     f"{path}: stages.{stage_name}.model.init_from: stage {init!r} does not run before it"
                 )
-            merged["model"]["init_from"] = stored(init, "export") if storage else str(run_path / init / "export")
+            merged["model"]["init_from"] = (
+                stored(init, "export") if storage else str(run_path / init / "export")
+            )
         resolved.append((stage_name, validate_config(merged, source=f"{path} stages.{stage_name}")))
     return Experiment(name=name, run_path=run_path, tracking_uri=uri, stages=resolved, source=str(path))
 

@@ -134,6 +134,12 @@ class MaskedAutoencoder:
         return loss, {"mask_ratio": mask.float().mean().detach()}
 
 
+class SimMIMObjective(MaskedAutoencoder):
+    """SimMIM: mask tokens in place of the masked patches, L1 on their pixels (hierarchical families)."""
+
+    name = "simmim"  # the same call as MAE: model(images, generator) -> (loss, reconstruction, mask)
+
+
 class MaskedPatchPrediction:
     """The ViT paper's self-supervision: predict the 3-bit mean colour of corrupted patches."""
 
@@ -226,7 +232,14 @@ class Distillation:
 
 OBJECTIVES = {
     c.name: c
-    for c in (SupervisedSoftmax, SupervisedSigmoid, MaskedAutoencoder, MaskedPatchPrediction, Distillation)
+    for c in (
+        SupervisedSoftmax,
+        SupervisedSigmoid,
+        MaskedAutoencoder,
+        SimMIMObjective,
+        MaskedPatchPrediction,
+        Distillation,
+    )  # fmt: skip
 }
 
 

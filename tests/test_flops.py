@@ -64,7 +64,12 @@ def test_analytic_flops_match_flop_counter(name, img_size, overrides, device):
 
 @pytest.mark.parametrize(
     "name,gmacs",
-    [("vit_b16", 17.6), ("vit_l16", 61.6), ("vit_h14", 167.4), ("vit_G14", 965.3 / 2)],  # G/14: Zhai et al. 2022
+    [
+        ("vit_b16", 17.6),
+        ("vit_l16", 61.6),
+        ("vit_h14", 167.4),
+        ("vit_G14", 965.3 / 2),
+    ],  # G/14: Zhai et al. 2022
 )
 def test_published_forward_gmacs(name, gmacs):
     assert flops_per_image(name, img_size=224) / 2 / 1e9 == pytest.approx(gmacs, rel=0.01)

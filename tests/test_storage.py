@@ -14,7 +14,11 @@ def s3(tmp_path_factory):
     """A local S3 endpoint and a bucket; credentials in the environment, as on a real cluster."""
     from moto.server import ThreadedMotoServer
 
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
@@ -55,7 +59,10 @@ def test_store_round_trips_files_and_folders_on_s3(s3, tmp_path):
 
 @pytest.mark.unit
 def test_uri_helpers_keep_the_query_and_name_unknown_schemes():
-    assert child("s3://b/p?endpoint_override=h:1", "pretrain", "export") == "s3://b/p/pretrain/export?endpoint_override=h:1"
+    assert (
+        child("s3://b/p?endpoint_override=h:1", "pretrain", "export")
+        == "s3://b/p/pretrain/export?endpoint_override=h:1"
+    )
     assert child("gs://b/p/", "x") == "gs://b/p/x"
     assert is_uri("s3://b/p") and is_uri("file:///tmp/x") and not is_uri("runs/demo") and not is_uri(None)
     with pytest.raises(ValueError, match="nosuchscheme://"):

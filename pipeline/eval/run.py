@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.utils.data import DataLoader
 
 from pipeline.config import EvalConfig, ExperimentConfig, flatten, save_resolved
@@ -36,7 +37,7 @@ from pipeline.data.transforms import normalize
 from pipeline.eval.fewshot import fewshot_ridge, linear_probe
 from pipeline.eval.figures import model_figures, source_loss_curve, source_stage_dir
 from pipeline.eval.metrics import MetricState, mean_average_precision, top1_is_positive, topk_correct
-from pipeline.models import VisionTransformer, create_model
+from pipeline.models import create_model
 from pipeline.models.convert import load_timm_state_dict
 from pipeline.objectives import build_objective
 from pipeline.tracking import Tracker
@@ -65,13 +66,14 @@ class SplitPass:
 # ---------------------------------------------------------------- model
 
 
-def load_model(
-    cfg: ExperimentConfig, num_classes: int, device: torch.device
-) -> tuple[VisionTransformer, dict]:
+def load_model(cfg: ExperimentConfig, num_classes: int, device: torch.device) -> tuple[nn.Module, dict]:
     """The stage's model built as the training loop builds it, with the export's weights; eval mode."""
     model = create_model(cfg.model.name, **_model_kwargs(cfg, build_objective(cfg.objective), num_classes))
-    if not isinstance(model, VisionTransformer):
-        raise ValueError(f"kind: eval needs a plain ViT (model.name), got {type(model).__name__}")
+    if not (hasattr(model, "forward_features") and hasattr(model, "forward_head")):
+        raise ValueError(
+            f"kind: eval needs a classifier (forward_features, forward_head): {cfg.model.name} is "
+            f"{type(model).__name__}; evaluate the exported encoder's model name instead"
+        )
     state, meta = load_exported(cfg.model.init_from)
     load_timm_state_dict(model, state, strict_head=cfg.model.init_head, reset_head=not cfg.model.init_head)
     return model.to(device).eval().requires_grad_(False), meta
@@ -88,7 +90,7 @@ def _amp_dtype(cfg: ExperimentConfig, device: torch.device) -> torch.dtype | Non
 
 
 @torch.no_grad()
-def embed_split(model: VisionTransformer, loader: DataLoader, device: torch.device, *, with_logits: bool,
+def embed_split(model: nn.Module, loader: DataLoader, device: torch.device, *, with_logits: bool,
                 max_batches: int | None = None, amp_dtype: torch.dtype | None = None) -> SplitPass:  # fmt: skip
     """Pre-logits (and logits) of every batch the loader yields, up to max_batches."""
     feats, logits, targets, valid, keys = [], [], [], [], []
@@ -191,7 +193,7 @@ def _write_json(path: Path, payload: dict) -> None:
     os.replace(tmp, path)
 
 
-def _figures(cfg: ExperimentConfig, model: VisionTransformer, images: torch.Tensor | None,
+def _figures(cfg: ExperimentConfig, model: nn.Module, images: torch.Tensor | None,
              tracker: Tracker) -> dict[str, str]:  # fmt: skip
     """Rank 0: analysis PNGs and the source stage's loss curve as artifacts; returns {skipped: why}."""
     out = cfg.run_path / "figures"

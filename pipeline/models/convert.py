@@ -46,9 +46,12 @@ def _strip(state_dict: dict) -> dict[str, torch.Tensor]:
 
 
 def load_timm_state_dict(
-    model: VisionTransformer, state_dict: dict, strict_head: bool = True, reset_head: bool = False
-) -> VisionTransformer:
-    """Load a timm/DeiT/MAE-layout state dict into `model`, resampling `pos_embed` to its grid.
+    model: nn.Module, state_dict: dict, strict_head: bool = True, reset_head: bool = False
+) -> nn.Module:
+    """Load a timm/DeiT/MAE-layout state dict into `model`, resampling a ViT's `pos_embed` to its grid.
+
+    Any registered family loads the same way (its names are its own layout); only the plain ViT has
+    absolute position embeddings to resample.
 
     strict_head=False drops `head.*` / `head_dist.*` of another class count (fine-tuning a new head);
     reset_head=True keeps the model's own freshly initialised heads whatever the checkpoint holds.
@@ -58,7 +61,8 @@ def load_timm_state_dict(
     if reset_head:
         sd = {k: v for k, v in sd.items() if not k.startswith(("head.", "head_dist."))}
         sd.update({k: v for k, v in own.items() if k.startswith(("head.", "head_dist."))})
-    if "pos_embed" in sd and "pos_embed" in own and sd["pos_embed"].shape != own["pos_embed"].shape:
+    resample = isinstance(model, VisionTransformer) and "pos_embed" in sd and "pos_embed" in own
+    if resample and sd["pos_embed"].shape != own["pos_embed"].shape:
         src = sd["pos_embed"]
         n_src = src.shape[1] - model.num_prefix_tokens
         side = int(round(n_src**0.5))

@@ -1,5 +1,8 @@
 """Analytic forward FLOPs of the ViT family, and model FLOPs utilisation (MFU) from throughput.
 
+The other families (TNT, CvT, LeViT, Swin) and the SimMIM wrapper count themselves in
+`forward_macs(img_size)` by the same rules; `flops_per_image` dispatches to it.
+
     from pipeline.models.flops import flops_per_image, flops_per_train_step, estimate_mfu
     flops_per_image("vit_b16") / 2e9                # 17.56 GMACs, timm reports 17.6
     flops_per_image("mae_vit_l16")                  # encoder on 25% of the patches, decoder on all
@@ -193,6 +196,12 @@ def flops_per_image(
         return 2 * _masked_patch_macs(model, img_size)
     if isinstance(model, VisionTransformer):
         return 2 * _encoder_macs(model, img_size, mask_ratio or 0.0, heads=True)[0]
+    if hasattr(model, "forward_macs"):  # TNT, CvT, LeViT, Swin, SimMIM: each counts its own shapes
+        if mask_ratio:
+            raise ValueError(
+                f"{type(model).__name__} runs every token (mask tokens, not dropped ones): no mask_ratio"
+            )
+        return 2 * model.forward_macs(img_size)
     raise TypeError(f"cannot count FLOPs of {type(model).__name__}")
 
 

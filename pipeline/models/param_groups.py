@@ -8,7 +8,9 @@ from __future__ import annotations
 from torch import nn
 
 NO_DECAY_NAMES = ("pos_embed", "pos_embed_row", "pos_embed_col", "cls_token", "dist_token", "mask_token",
-                  "relative_position_bias_table")  # fmt: skip
+                  "mask_token_pixel", "relative_position_bias_table",  # ViT, Swin
+                  "patch_pos", "pixel_pos",  # TNT's position embeddings
+                  "attention_biases")  # LeViT's attention bias by offset  # fmt: skip
 
 
 def layer_id(name: str, num_layers: int) -> int:
@@ -26,7 +28,11 @@ def no_weight_decay(name: str, param: nn.Parameter) -> bool:
 
 
 def param_groups(model: nn.Module, weight_decay: float, layer_decay: float | None = None) -> list[dict]:
-    """Groups by (decay or not, layer); `lr_scale` = layer_decay ** (num_layers + 1 - layer_id)."""
+    """Groups by (decay or not, layer); `lr_scale` = layer_decay ** (num_layers + 1 - layer_id).
+
+    Layer decay follows a flat `blocks` list (ViT, TNT); the hierarchical families (CvT, LeViT, Swin)
+    have none, so every group keeps lr_scale 1 there.
+    """
     num_layers = len(getattr(model, "blocks", ()))
     groups: dict[tuple[bool, int], dict] = {}
     for name, p in model.named_parameters():

@@ -104,7 +104,9 @@ def save(engine, ckpt_dir: Path, step: int, keep_last: int, rank: int, extra: di
     torch.save({"rng": rng_state(), "extra": extra or {}}, tag_dir / f"rank_{rank}.pt")
     dist.barrier()  # every rank's files are on disk (its own node's disk, without a shared filesystem)
     # Each rank describes (and uploads) the files it wrote; rank 0 records them all.
-    mine = sorted(p for p in tag_dir.iterdir() if p.is_file() and owned_by(p.name, rank) and p.name != COMPLETE)
+    mine = sorted(
+        p for p in tag_dir.iterdir() if p.is_file() and owned_by(p.name, rank) and p.name != COMPLETE
+    )
     files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in mine}
     if store is not None:
         for p in mine:

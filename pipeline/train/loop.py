@@ -146,7 +146,9 @@ def train(cfg: ExperimentConfig, report: Callable[[dict], None] | None = None,
         save_resolved(cfg, run_path / "config.yaml")
 
     # -- model and objective
-    info = dataset_info(cfg.data.train, "train", num_classes=cfg.data.num_classes, multi_label=cfg.data.multi_label)
+    info = dataset_info(
+        cfg.data.train, "train", num_classes=cfg.data.num_classes, multi_label=cfg.data.multi_label
+    )
     objective = build_objective(cfg.objective)
     model_kwargs = _model_kwargs(cfg, objective, cfg.model.num_classes or info.num_classes)
     model = create_model(cfg.model.name, **model_kwargs)
