@@ -38,7 +38,7 @@ demo-small: setup
 	$(PY) -m cluster.demo --size small
 
 test: setup
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=25
 
 test-fast: setup
 	$(PY) -m pytest tests -m "unit"

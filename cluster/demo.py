@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/experiments/demo.yaml"
 SIZES = {
     # synthetic images, pretraining steps, fine-tuning steps
-    "full": {"synthetic": 6000, "pretrain": 300, "finetune": 400},
+    "full": {"synthetic": 6000, "pretrain": 300, "finetune": 1000},
     "small": {"synthetic": 600, "pretrain": 20, "finetune": 30},
 }
 

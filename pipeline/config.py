@@ -450,6 +450,9 @@ class Experiment(BaseModel):
     YAML: `name`, `seed`, `run_dir`, `cluster`, `tracking` for the whole experiment, `defaults` merged
     under every stage, and `stages`, a mapping from stage name to that stage's own keys (so overrides
     read `stages.finetune.optim.lr=1e-3`). A file without `stages` is a one-stage experiment.
+    `storage` (optional, e.g. `s3://bucket/runs/{name}`) puts every stage's checkpoints and export on
+    object storage under STORAGE/STAGE/ (each stage's `checkpoint.uri`), for nodes without a shared
+    file system; `init_from: STAGE` then reads STORAGE/STAGE/export.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
