@@ -71,12 +71,20 @@ def run_stage(cfg: ExperimentConfig, parent_run_id: str | None = None):
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    # Workers may start in other directories: pass absolute paths.
-    train = cfg.data.train
-    if "://" not in train and not train.startswith("pipe:"):
-        train = os.path.abspath(train)  # a local folder or pattern: absolute for workers in other CWDs
-    data = cfg.data.model_copy(update={"train": train})
-    cfg = cfg.model_copy(update={"run_dir": str(cfg.run_path), "data": data})
+    # Workers may start in other directories: pass absolute paths (the data, init weights, teacher).
+    def local_abs(path: str) -> str:
+        return path if "://" in path or path.startswith("pipe:") else os.path.abspath(path)
+
+    data = cfg.data.model_copy(update={"train": local_abs(cfg.data.train)})
+    update = {"run_dir": str(cfg.run_path), "data": data}
+    if cfg.model.init_from:
+        update["model"] = cfg.model.model_copy(update={"init_from": local_abs(cfg.model.init_from)})
+    if cfg.objective.teacher is not None:
+        teacher = cfg.objective.teacher.model_copy(
+            update={"weights": local_abs(cfg.objective.teacher.weights)}
+        )
+        update["objective"] = cfg.objective.model_copy(update={"teacher": teacher})
+    cfg = cfg.model_copy(update=update)
     prepare_data(cfg)
     connect(cfg.cluster.address)
     c = cfg.cluster

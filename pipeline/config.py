@@ -91,7 +91,11 @@ class DataConfig(_Section):
 
 class TeacherConfig(_Section):
     model: str = Field(..., description="Registered teacher model name.")
-    weights: str = Field(..., description="Teacher weights: a .safetensors file exported by a stage.")
+    weights: str = Field(
+        ...,
+        description="Teacher weights: an export folder or its .safetensors file (local or a storage URI), or in "
+        "a multi-stage experiment the name of an earlier stage, whose export is used.",
+    )
     img_size: int | None = Field(None, gt=0, description="Teacher resolution; null means the student's.")
     overrides: dict[str, Any] = Field(
         default_factory=dict, description="create_model overrides for the teacher."
@@ -526,6 +530,16 @@ def load_experiment(path: str | os.PathLike, overrides: list[str] | None = None)
                 )
             merged["model"]["init_from"] = (
                 stored(init, "export") if storage else str(run_path / init / "export")
+            )
+        teacher = ((merged.get("objective") or {}).get("teacher") or {}).get("weights")
+        if teacher is not None and teacher in stages:
+            if teacher not in [n for n, _ in resolved]:
+                raise ConfigError(
+                    f"{path}: stages.{stage_name}.objective.teacher.weights: stage {teacher!r} does not run "
+                    "before it"
+                )
+            merged["objective"]["teacher"]["weights"] = (
+                stored(teacher, "export") if storage else str(run_path / teacher / "export")
             )
         resolved.append((stage_name, validate_config(merged, source=f"{path} stages.{stage_name}")))
     return Experiment(name=name, run_path=run_path, tracking_uri=uri, stages=resolved, source=str(path))

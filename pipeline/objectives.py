@@ -178,9 +178,8 @@ class Distillation:
         return {"num_classes": num_classes, "distilled": True}
 
     def prepare(self, model, device) -> None:
-        from safetensors.torch import load_file
-
         from pipeline.models import create_model
+        from pipeline.train.export import load_exported  # a folder, a .safetensors file or a storage URI
 
         t = self.cfg.teacher
         _unwrap(model).distilled_training = True  # the student returns (class, distillation) logits
@@ -189,9 +188,9 @@ class Distillation:
             kwargs["img_size"] = t.img_size
         teacher = create_model(t.model, **kwargs)
         try:
-            teacher.load_state_dict(load_file(t.weights))
-        except FileNotFoundError:
-            raise FileNotFoundError(f"objective.teacher.weights: {t.weights} does not exist") from None
+            teacher.load_state_dict(load_exported(t.weights)[0])
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"objective.teacher.weights: {exc}") from None
         except RuntimeError as exc:
             raise ValueError(
                 f"objective.teacher.weights: {t.weights} does not fit {t.model}: {exc}"

@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.config import ConfigError, flatten, load_config, save_resolved, validate_config
+from pipeline.config import ConfigError, flatten, load_config, load_experiment, save_resolved, validate_config
 
 pytestmark = pytest.mark.unit
 SMOKE = Path(__file__).parents[1] / "configs/experiments/smoke.yaml"
@@ -122,3 +122,18 @@ def test_multistage_experiment_takes_presets_and_names_stage_keys(tmp_path):
     assert a.tracking.experiment == "e" and a.run_path == e.run_path / "a"
     with pytest.raises(ConfigError, match=r"(?s)stages\.b: invalid config.*optim\.stpes: unknown key"):
         load_experiment(exp, ["stages.b.optim.stpes=1"])
+
+
+@pytest.mark.unit
+def test_a_distillation_teacher_may_name_an_earlier_stage(tmp_path):
+    cfg = tmp_path / "exp.yaml"
+    stages = "stages:\n  cvt: {data: {train: d}}\n  deit:\n    data: {train: d}\n    objective: {name: distill, teacher: {model: cvt_debug, weights: cvt}}\n"
+    cfg.write_text("name: exp\nrun_dir: " + str(tmp_path / "runs") + "\n" + stages)
+    (_, _), (_, deit) = load_experiment(cfg).stages
+    assert deit.objective.teacher.weights == str(tmp_path / "runs" / "cvt" / "export")
+    # A later stage cannot teach an earlier one.
+    cfg.write_text(
+        "name: exp\n" + stages.replace("  cvt: {data: {train: d}}\n", "") + "  cvt: {data: {train: d}}\n"
+    )
+    with pytest.raises(ConfigError, match="teacher.weights: stage 'cvt' does not run before it"):
+        load_experiment(cfg)
