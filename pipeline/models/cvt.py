@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pipeline.models.layers import DropPath, Mlp
+from pipeline.models.layers import DropPath, Mlp, classify, init_linear_and_norm
 from pipeline.models.registry import register
 
 # Convolutional token embedding of each stage (kernel, stride, padding), as in the official configs.
@@ -291,14 +291,7 @@ class ConvolutionalVisionTransformer(nn.Module):
 
     def _init_weights(self, head_bias_init: float) -> None:
         # The official trunc_norm init; convolutions keep PyTorch's default (as there).
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, (nn.LayerNorm, nn.BatchNorm2d)):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
+        init_linear_and_norm(self, (nn.LayerNorm, nn.BatchNorm2d))
         for stage in self.stages:
             for t in (stage.cls_token, stage.dist_token):
                 if t is not None:
@@ -334,13 +327,7 @@ class ConvolutionalVisionTransformer(nn.Module):
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False):
         if pre_logits:
             return x[:, 0]  # the class token, normalised
-        logits = self.head(x[:, 0])
-        if self.head_dist is None:
-            return logits
-        logits_dist = self.head_dist(x[:, 1])
-        if self.distilled_training and self.training:
-            return logits, logits_dist
-        return (logits + logits_dist) / 2  # DeiT: the two heads averaged at inference
+        return classify(self, x[:, 0], x[:, 1])
 
     def forward(self, x: torch.Tensor, mim_mask: torch.Tensor | None = None):
         if mim_mask is not None:  # SimMIM, routed through __call__ (see forward_mim)

@@ -9,6 +9,33 @@ from torch import nn
 from pipeline.models.pos_embed import RelativePositionBias
 
 
+def init_linear_and_norm(module: nn.Module, norms: tuple[type[nn.Module], ...] = (nn.LayerNorm,)) -> None:
+    """The init ViT, DeiT, TNT, CvT and Swin share: trunc-normal(0.02) Linear weights, zero biases, unit norms."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.trunc_normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, norms):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+
+def classify(model: nn.Module, x: torch.Tensor, x_dist: torch.Tensor):
+    """Logits from the pooled class features `x` and distillation features `x_dist` (DeiT).
+
+    Without a distillation head: head(x). With one: both logits while the distillation objective
+    trains (`model.distilled_training`), else their mean, as DeiT predicts at inference.
+    """
+    logits = model.head(x)
+    if model.head_dist is None:
+        return logits
+    logits_dist = model.head_dist(x_dist)
+    if model.distilled_training and model.training:
+        return logits, logits_dist
+    return (logits + logits_dist) / 2
+
+
 class PatchEmbed(nn.Module):
     """Non-overlapping patches -> tokens by one strided convolution."""
 

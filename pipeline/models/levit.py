@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pipeline.models.layers import DropPath
+from pipeline.models.layers import DropPath, classify
 from pipeline.models.registry import register
 
 
@@ -437,13 +437,7 @@ class Levit(nn.Module):
         x = x.mean(dim=1)  # [B, num_features]
         if pre_logits:
             return x
-        logits = self.head(x)
-        if self.head_dist is None:
-            return logits
-        logits_dist = self.head_dist(x)
-        if self.distilled_training and self.training:
-            return logits, logits_dist
-        return (logits + logits_dist) / 2  # the two heads averaged at inference
+        return classify(self, x, x)
 
     def forward(self, x: torch.Tensor):
         return self.forward_head(self.forward_features(x))

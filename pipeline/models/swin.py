@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pipeline.models.layers import DropPath, Mlp, PatchEmbed
+from pipeline.models.layers import DropPath, Mlp, PatchEmbed, classify, init_linear_and_norm
 from pipeline.models.registry import register
 
 MASK_VALUE = -100.0  # the official code's "minus infinity": exp(-100) is 0 in fp16/bf16, no NaN on full rows
@@ -311,15 +311,9 @@ class SwinTransformer(nn.Module):
 
     def _init_weights(self, head_bias_init: float) -> None:
         # As the official code: trunc-normal linears and bias tables, unit LayerNorms, default conv init.
+        init_linear_and_norm(self)
         for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.LayerNorm):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
-            elif isinstance(m, WindowAttention):
+            if isinstance(m, WindowAttention):
                 nn.init.trunc_normal_(m.relative_position_bias_table, std=0.02)
         if self.mask_token is not None:
             nn.init.trunc_normal_(self.mask_token, std=0.02)
@@ -352,13 +346,7 @@ class SwinTransformer(nn.Module):
         x = x.mean(dim=1)  # global average pooling [B, num_features]
         if pre_logits:
             return x
-        logits = self.head(x)
-        if self.head_dist is None:
-            return logits
-        logits_dist = self.head_dist(x)
-        if self.distilled_training and self.training:
-            return logits, logits_dist
-        return (logits + logits_dist) / 2  # DeiT: the two heads averaged at inference
+        return classify(self, x, x)
 
     def forward(self, x: torch.Tensor, mim_mask: torch.Tensor | None = None):
         if mim_mask is not None:

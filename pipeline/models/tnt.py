@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pipeline.models.layers import Block
+from pipeline.models.layers import Block, classify, init_linear_and_norm
 from pipeline.models.registry import register
 
 # The word convolution of the paper: kernel 7, padding 3, stride `inner_stride` inside each patch.
@@ -187,14 +187,7 @@ class TNT(nn.Module):
                   self.mask_token_pixel):  # fmt: skip
             if p is not None:
                 nn.init.trunc_normal_(p, std=0.02)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.LayerNorm):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
+        init_linear_and_norm(self)
         for head in (self.head, self.head_dist):
             if isinstance(head, nn.Linear):
                 nn.init.zeros_(head.weight)  # zero-initialised classifier, as vit.py
@@ -245,13 +238,7 @@ class TNT(nn.Module):
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False):
         if pre_logits:
             return x[:, 0]
-        logits = self.head(x[:, 0])
-        if self.head_dist is None:
-            return logits
-        logits_dist = self.head_dist(x[:, 1])
-        if self.distilled_training and self.training:
-            return logits, logits_dist
-        return (logits + logits_dist) / 2  # DeiT: the two heads averaged at inference
+        return classify(self, x[:, 0], x[:, 1])
 
     def forward(self, x: torch.Tensor, mim_mask: torch.Tensor | None = None):
         if mim_mask is not None:  # SimMIM, routed through __call__ (see forward_mim)

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pipeline.models.hybrid import HybridEmbed
-from pipeline.models.layers import Block, PatchEmbed
+from pipeline.models.layers import Block, PatchEmbed, classify, init_linear_and_norm
 from pipeline.models.pos_embed import POS_EMBED_KINDS, resample_abs_pos_embed, sincos_2d
 
 
@@ -98,14 +98,7 @@ class VisionTransformer(nn.Module):
                   getattr(self, "pos_embed_col", None)):  # fmt: skip
             if p is not None:
                 nn.init.trunc_normal_(p, std=0.02)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.LayerNorm):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
+        init_linear_and_norm(self)
         w = self.patch_embed.proj.weight
         nn.init.xavier_uniform_(w.view(w.shape[0], -1))  # as a linear layer (MAE, big_vision)
         nn.init.zeros_(self.patch_embed.proj.bias)
@@ -172,13 +165,7 @@ class VisionTransformer(nn.Module):
             return x if pre_logits else self.head(x)
         if pre_logits:
             return x[:, 0]
-        logits = self.head(x[:, 0])
-        if self.head_dist is None:
-            return logits
-        logits_dist = self.head_dist(x[:, 1])
-        if self.distilled_training and self.training:
-            return logits, logits_dist
-        return (logits + logits_dist) / 2  # DeiT: the two heads averaged at inference
+        return classify(self, x[:, 0], x[:, 1])
 
     def forward(self, x: torch.Tensor):
         return self.forward_head(self.forward_features(x))
