@@ -1,5 +1,6 @@
 """The training loop on 2 gloo ranks: exact resume per ZeRO stage, checkpoint safety, MLflow contents."""
 
+import json
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ from safetensors.torch import load_file
 
 from data_prep.synthetic import class_names, synthetic_samples
 from data_prep.writer import write_dataset
+from pipeline.train.loop import RUN_ID_FILE
 
 ROOT = Path(__file__).parents[1]
 
@@ -34,10 +36,13 @@ def torchrun(*args: str, nproc: int = 2, timeout: int = 900) -> subprocess.Compl
 
 
 def history(run_dir: Path, metric: str = "train/loss") -> list[tuple[int, float]]:
-    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
-    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
-    assert len(runs) == 1, f"{run_dir}: expected one MLflow run, found {len(runs)}"
-    return [(m.step, m.value) for m in client.get_metric_history(runs[0].info.run_id, metric)]
+    """(step, value) of the MLflow run the stage in run_dir logged to (its run-id file names it), in the
+    nearest mlflow.db at or above run_dir: the test scripts share one store (a new SQLite store costs
+    about 4 s of migrations here)."""
+    run_id = json.loads((run_dir / RUN_ID_FILE).read_text())["run_id"]
+    db = next(p / "mlflow.db" for p in (run_dir, *run_dir.parents) if (p / "mlflow.db").is_file())
+    client = MlflowClient(f"sqlite:///{db}")
+    return [(m.step, m.value) for m in client.get_metric_history(run_id, metric)]
 
 
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:

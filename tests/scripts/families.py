@@ -21,7 +21,7 @@ def main() -> None:
         overrides = [
             f"run_dir={out}/{name}", f"data.train={data}", "cluster.launcher=local", f"model.name={model}",
             f"objective.name={objective}", f"deepspeed.zero_stage={zero}", f"optim.steps={steps}",
-            "optim.warmup_steps=4", "optim.lr=0.05", "tracking.system_metrics=false",
+            "optim.warmup_steps=4", "optim.lr=0.05", "tracking.system_metrics=false", f"tracking.uri=sqlite:///{out}/mlflow.db",
         ]  # fmt: skip
         for item in extra:
             key, value = item.split("=", 1)

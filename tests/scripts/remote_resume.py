@@ -23,7 +23,8 @@ SMOKE = Path(__file__).parents[2] / "configs/experiments/smoke.yaml"
 def run(out: Path, data: str, name: str, *extra: str) -> None:
     overrides = [
         f"run_dir={out}/{name}", f"data.train={data}", "cluster.launcher=local", "deepspeed.zero_stage=2",
-        "optim.steps=8", "optim.warmup_steps=2", "data.num_workers=1", "tracking.system_metrics=false", *extra,
+        "optim.steps=8", "optim.warmup_steps=2", "data.num_workers=1", "tracking.system_metrics=false",
+        f"tracking.uri=sqlite:///{out}/mlflow.db", *extra,
     ]  # fmt: skip
     train(load_config(SMOKE, overrides))
 

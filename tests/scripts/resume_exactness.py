@@ -19,7 +19,8 @@ def run(out: Path, data: str, stage: int, name: str, *extra: str) -> None:
     overrides = [
         f"run_dir={out}/zero{stage}/{name}", f"data.train={data}", "cluster.launcher=local",
         f"deepspeed.zero_stage={stage}", "optim.steps=8", "optim.warmup_steps=2", "data.num_workers=1",
-        "tracking.system_metrics=false", "model.overrides.drop_path_rate=0.1", *extra,
+        "tracking.system_metrics=false", "model.overrides.drop_path_rate=0.1", f"tracking.uri=sqlite:///{out}/mlflow.db",
+        *extra,
     ]  # fmt: skip
     train(load_config(SMOKE, overrides))
 
