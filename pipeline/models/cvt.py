@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pipeline.models.layers import DropPath, Mlp, classify, init_linear_and_norm
+from pipeline.models.layers import DropPath, MaskedImageModelling, Mlp, classify, init_linear_and_norm
 from pipeline.models.registry import register
 
 # Convolutional token embedding of each stage (kernel, stride, padding), as in the official configs.
@@ -226,7 +226,7 @@ class CvTStage(nn.Module):
         return x, (h, w)
 
 
-class ConvolutionalVisionTransformer(nn.Module):
+class ConvolutionalVisionTransformer(MaskedImageModelling, nn.Module):
     supports_mim = True
     mim_patch_size = EMBED_STRIDES[0]  # input pixels per token of stage 1's grid
     mim_stride = EMBED_STRIDES[0] * EMBED_STRIDES[1] * EMBED_STRIDES[2]  # of the stage-3 map
@@ -329,20 +329,8 @@ class ConvolutionalVisionTransformer(nn.Module):
             return x[:, 0]  # the class token, normalised
         return classify(self, x[:, 0], x[:, 1])
 
-    def forward(self, x: torch.Tensor, mim_mask: torch.Tensor | None = None):
-        if mim_mask is not None:  # SimMIM, routed through __call__ (see forward_mim)
-            return self._forward_mim(x, mim_mask)
-        return self.forward_head(self.forward_features(x))
-
-    def forward_mim(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """SimMIM: images [B, C, H, W], mask bool [B, H/4, W/4] (True = masked) -> [B, C_last, H/16, W/16].
-
-        Goes through `__call__` so that module hooks fire on this model: ZeRO-3 gathers the parameters
-        this module registers directly (mask tokens, class token, position embeddings) in its own forward.
-        """
-        return self(x, mim_mask=mask)
-
     def _forward_mim(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """SimMIM: images [B, C, H, W], mask bool [B, H/4, W/4] (True = masked) -> [B, C_last, H/16, W/16]."""
         if self.mask_token is None:
             raise RuntimeError("forward_mim needs the model built with mask_token=True")
         B, _, H, W = x.shape

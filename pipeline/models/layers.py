@@ -36,6 +36,26 @@ def classify(model: nn.Module, x: torch.Tensor, x_dist: torch.Tensor):
     return (logits + logits_dist) / 2
 
 
+class MaskedImageModelling:
+    """Mixin for the families SimMIM wraps (TNT, CvT, Swin): `forward(x)` classifies, `forward_mim(x, mask)`
+    returns the feature map of images whose masked tokens were replaced by the mask token.
+
+    forward_mim goes through `__call__`, so module hooks fire on the model itself: ZeRO-3 gathers the
+    parameters it registers directly (mask tokens, class token, position embeddings) in its own forward.
+    A subclass writes `_forward_mim(x, mask)`.
+    """
+
+    def forward(self, x: torch.Tensor, mim_mask: torch.Tensor | None = None):
+        if mim_mask is not None:
+            return self._forward_mim(x, mim_mask)
+        return self.forward_head(self.forward_features(x))
+
+    def forward_mim(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Images [B, C, H, W], mask bool [B, H/mim_patch_size, W/mim_patch_size] (True = masked)
+        -> features [B, num_features, H/mim_stride, W/mim_stride]."""
+        return self(x, mim_mask=mask)
+
+
 class PatchEmbed(nn.Module):
     """Non-overlapping patches -> tokens by one strided convolution."""
 

@@ -31,7 +31,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pipeline.models.layers import DropPath, Mlp, PatchEmbed, classify, init_linear_and_norm
+from pipeline.models.layers import (
+    DropPath,
+    MaskedImageModelling,
+    Mlp,
+    PatchEmbed,
+    classify,
+    init_linear_and_norm,
+)
 from pipeline.models.registry import register
 
 MASK_VALUE = -100.0  # the official code's "minus infinity": exp(-100) is 0 in fp16/bf16, no NaN on full rows
@@ -244,7 +251,7 @@ class SwinStage(nn.Module):
         return x if self.downsample is None else self.downsample(x)
 
 
-class SwinTransformer(nn.Module):
+class SwinTransformer(MaskedImageModelling, nn.Module):
     """Patch partition, four stages of (shifted) window attention with patch merging, LayerNorm, mean pool."""
 
     supports_mim = True  # SimMIM: mask tokens replace patch embeddings before the first stage
@@ -348,22 +355,10 @@ class SwinTransformer(nn.Module):
             return x
         return classify(self, x, x)
 
-    def forward(self, x: torch.Tensor, mim_mask: torch.Tensor | None = None):
-        if mim_mask is not None:
-            return self._forward_mim(x, mim_mask)
-        return self.forward_head(self.forward_features(x))
-
     # ------------------------------------------------------------------ masked image modelling
 
-    def forward_mim(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """SimMIM encoder: images [B, 3, H, W], mask bool [B, H/4, W/4] (True = masked) -> [B, C, H/32, W/32].
-
-        Goes through `__call__` so that module hooks fire on this model: ZeRO-3 gathers `mask_token`,
-        which this module registers directly, in its own forward.
-        """
-        return self(x, mim_mask=mask)
-
     def _forward_mim(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """SimMIM encoder: images [B, 3, H, W], mask bool [B, H/4, W/4] (True = masked) -> [B, C, H/32, W/32]."""
         if self.mask_token is None:
             raise ValueError("forward_mim needs the model built with mask_token=True")
         self._check_size(x)

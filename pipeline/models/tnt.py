@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pipeline.models.layers import Block, classify, init_linear_and_norm
+from pipeline.models.layers import Block, MaskedImageModelling, classify, init_linear_and_norm
 from pipeline.models.registry import register
 
 # The word convolution of the paper: kernel 7, padding 3, stride `inner_stride` inside each patch.
@@ -113,7 +113,7 @@ class TNTBlock(nn.Module):
         return words, self.outer(tokens)
 
 
-class TNT(nn.Module):
+class TNT(MaskedImageModelling, nn.Module):
     supports_mim = True
 
     def __init__(
@@ -240,20 +240,8 @@ class TNT(nn.Module):
             return x[:, 0]
         return classify(self, x[:, 0], x[:, 1])
 
-    def forward(self, x: torch.Tensor, mim_mask: torch.Tensor | None = None):
-        if mim_mask is not None:  # SimMIM, routed through __call__ (see forward_mim)
-            return self._forward_mim(x, mim_mask)
-        return self.forward_head(self.forward_features(x))
-
-    def forward_mim(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """SimMIM features: images [B, 3, H, W], mask bool [B, H/p, W/p] -> map [B, C, H/p, W/p].
-
-        Goes through `__call__` so that module hooks fire on this model: ZeRO-3 gathers the parameters
-        this module registers directly (mask tokens, class token, position embeddings) in its own forward.
-        """
-        return self(x, mim_mask=mask)
-
     def _forward_mim(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """SimMIM features: images [B, 3, H, W], mask bool [B, H/p, W/p] -> map [B, C, H/p, W/p]."""
         _, tokens = self.forward_blocks(*self.embed(x, mask))
         x = self.norm(tokens)[:, self.num_prefix_tokens :]  # [B, N, C]
         return x.transpose(1, 2).reshape(x.shape[0], self.embed_dim, *self.grid_size)
