@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.config import Experiment, ExperimentConfig, load_experiment
+from pipeline.config import Experiment, StageConfig, load_experiment
 from pipeline.tracking import end_run, log_to_run, open_parent_run, run_metrics
 from pipeline.train.launch import prepare_data
 from pipeline.train.loop import RUN_ID_FILE, STOP_FILE
@@ -66,7 +66,7 @@ def connect(address: str | None) -> None:
         ray.init(include_dashboard=False, _node_ip_address="127.0.0.1")
 
 
-def run_stage(cfg: ExperimentConfig, parent_run_id: str | None = None):
+def run_stage(cfg: StageConfig, parent_run_id: str | None = None):
     """One stage on Ray Train workers. Returns ray.train.Result."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -107,7 +107,7 @@ def run_stage(cfg: ExperimentConfig, parent_run_id: str | None = None):
     return trainer.fit()
 
 
-def _stage_run_id(cfg: ExperimentConfig) -> str | None:
+def _stage_run_id(cfg: StageConfig) -> str | None:
     path = cfg.run_path / RUN_ID_FILE
     return json.loads(path.read_text())["run_id"] if path.is_file() else None
 

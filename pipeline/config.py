@@ -1,4 +1,4 @@
-"""The typed config tree: YAML in, a validated `ExperimentConfig` out.
+"""The typed config tree: YAML in, a validated `StageConfig` out.
 
     cfg = load_config("configs/experiments/smoke.yaml", ["optim.lr=3e-4", "cluster.num_workers=2"])
 
@@ -255,7 +255,7 @@ class EvalConfig(_Section):
     batch_size: int | None = Field(None, gt=0, description="Per-rank eval batch size; null: data.batch_size.")
 
 
-class ExperimentConfig(_Section):
+class StageConfig(_Section):
     name: str = Field(
         ..., min_length=1, description="Experiment name; names the run directory and MLflow experiment."
     )
@@ -277,7 +277,7 @@ class ExperimentConfig(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
 
     @model_validator(mode="after")
-    def _check(self) -> ExperimentConfig:
+    def _check(self) -> StageConfig:
         if self.deepspeed.offload_params and self.deepspeed.zero_stage != 3:
             raise ValueError("deepspeed.offload_params needs deepspeed.zero_stage: 3")
         if self.optim.warmup_steps > self.optim.steps:
@@ -352,7 +352,7 @@ def _describe(err: ValidationError, source: str) -> str:
         loc = tuple(e["loc"])
         key = ".".join(str(p) for p in loc) or "<root>"
         if e["type"] == "extra_forbidden":
-            allowed = _allowed_keys(ExperimentConfig, loc)
+            allowed = _allowed_keys(StageConfig, loc)
             close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             lines.append(f"  {key}: unknown key{hint} allowed keys here: {', '.join(allowed)}")
@@ -377,7 +377,7 @@ def _read_yaml(path: Path) -> dict:
     return raw
 
 
-def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> ExperimentConfig:
+def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> StageConfig:
     """Read YAML, apply dotted overrides, validate. Relative `data.train` resolves against the CWD."""
     path = Path(path)
     raw = _read_yaml(path)
@@ -412,14 +412,14 @@ def _with_bases(raw: dict, path: Path, seen: tuple[Path, ...]) -> dict:
     return _deep_merge(merged, raw)
 
 
-def validate_config(raw: dict, source: str = "<config>") -> ExperimentConfig:
+def validate_config(raw: dict, source: str = "<config>") -> StageConfig:
     try:
-        return ExperimentConfig.model_validate(raw)
+        return StageConfig.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(_describe(err, source)) from None
 
 
-def save_resolved(cfg: ExperimentConfig, path: Path) -> Path:
+def save_resolved(cfg: StageConfig, path: Path) -> Path:
     """Write the resolved config atomically (every run keeps the exact config it ran with)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -428,7 +428,7 @@ def save_resolved(cfg: ExperimentConfig, path: Path) -> Path:
     return path
 
 
-def flatten(cfg: ExperimentConfig) -> dict[str, str]:
+def flatten(cfg: StageConfig) -> dict[str, str]:
     """Dotted key -> string value, for MLflow params."""
     out: dict[str, str] = {}
 
@@ -463,7 +463,7 @@ class Experiment(BaseModel):
     name: str
     run_path: Path
     tracking_uri: str
-    stages: list[tuple[str, ExperimentConfig]]
+    stages: list[tuple[str, StageConfig]]
     source: str
 
     @property
@@ -512,7 +512,7 @@ def load_experiment(path: str | os.PathLike, overrides: list[str] | None = None)
 
     tracking = dict(raw.get("tracking") or {})
     uri = tracking.get("uri") or f"sqlite:///{run_path / 'mlflow.db'}"
-    resolved: list[tuple[str, ExperimentConfig]] = []
+    resolved: list[tuple[str, StageConfig]] = []
     for stage_name, stage_raw in stages.items():
         if not isinstance(stage_raw, dict):
             raise ConfigError(f"{path}: stages.{stage_name} must be a mapping")
@@ -581,7 +581,7 @@ def reference() -> str:
         for t, m in nested:
             section(t, m)
 
-    section("experiment", ExperimentConfig)
+    section("experiment", StageConfig)
     out.extend(["## Multi-stage experiments", "", Experiment.__doc__ or ""])
     return "\n".join(out)
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from pipeline.config import EvalConfig, ExperimentConfig, flatten, save_resolved
+from pipeline.config import EvalConfig, StageConfig, flatten, save_resolved
 from pipeline.data.loader import dataset_info, make_eval_loader
 from pipeline.data.transforms import normalize
 from pipeline.eval.fewshot import fewshot_ridge, linear_probe
@@ -66,7 +66,7 @@ class SplitPass:
 # ---------------------------------------------------------------- model
 
 
-def load_model(cfg: ExperimentConfig, num_classes: int, device: torch.device) -> tuple[nn.Module, dict]:
+def load_model(cfg: StageConfig, num_classes: int, device: torch.device) -> tuple[nn.Module, dict]:
     """The stage's model built as the training loop builds it, with the export's weights; eval mode."""
     model = create_model(cfg.model.name, **_model_kwargs(cfg, build_objective(cfg.objective), num_classes))
     if not (hasattr(model, "forward_features") and hasattr(model, "forward_head")):
@@ -79,7 +79,7 @@ def load_model(cfg: ExperimentConfig, num_classes: int, device: torch.device) ->
     return model.to(device).eval().requires_grad_(False), meta
 
 
-def _amp_dtype(cfg: ExperimentConfig, device: torch.device) -> torch.dtype | None:
+def _amp_dtype(cfg: StageConfig, device: torch.device) -> torch.dtype | None:
     # Mixed precision only where it pays (CUDA); on CPU the pass stays fp32, as the tests compare it.
     if device.type != "cuda" or cfg.deepspeed.precision == "fp32":
         return None
@@ -193,7 +193,7 @@ def _write_json(path: Path, payload: dict) -> None:
     os.replace(tmp, path)
 
 
-def _figures(cfg: ExperimentConfig, model: nn.Module, images: torch.Tensor | None,
+def _figures(cfg: StageConfig, model: nn.Module, images: torch.Tensor | None,
              tracker: Tracker) -> dict[str, str]:  # fmt: skip
     """Rank 0: analysis PNGs and the source stage's loss curve as artifacts; returns {skipped: why}."""
     out = cfg.run_path / "figures"
@@ -212,7 +212,7 @@ def _figures(cfg: ExperimentConfig, model: nn.Module, images: torch.Tensor | Non
     return skipped
 
 
-def evaluate(cfg: ExperimentConfig, report: Callable[[dict], None] | None = None,
+def evaluate(cfg: StageConfig, report: Callable[[dict], None] | None = None,
              parent_run_id: str | None = None) -> dict[str, float]:  # fmt: skip
     """Run the eval stage on this rank; returns the metrics (the same dict on every rank)."""
     if cfg.model.init_from is None:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.config import ExperimentConfig
+from pipeline.config import StageConfig
 from pipeline.models.param_groups import param_groups
 
 
@@ -60,7 +60,7 @@ def init_distributed(use_gpu: bool) -> DistContext:
     return DistContext(rank, world, local_rank, device, control)
 
 
-def scaled_lr(cfg: ExperimentConfig, world_size: int) -> float:
+def scaled_lr(cfg: StageConfig, world_size: int) -> float:
     """lr = base_lr * global_batch / 256 (Goyal et al.; MAE and DeiT use it)."""
     global_batch = cfg.data.batch_size * cfg.deepspeed.grad_accum * world_size
     return cfg.optim.lr * global_batch / 256 if cfg.optim.scale_lr else cfg.optim.lr
@@ -75,7 +75,7 @@ def bucket_elements(num_params: int) -> int:
     return int(min(5e8, max(2e7, num_params // 8)))
 
 
-def deepspeed_config(cfg: ExperimentConfig, world_size: int, use_gpu: bool, num_params: int) -> dict:
+def deepspeed_config(cfg: StageConfig, world_size: int, use_gpu: bool, num_params: int) -> dict:
     ds = cfg.deepspeed
     bucket = bucket_elements(num_params)
     zero: dict = {"stage": ds.zero_stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
@@ -123,7 +123,7 @@ def lr_multiplier(step: int, warmup: int, total: int, schedule: str) -> float:
     return 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
 
 
-def build_engine(model: nn.Module, cfg: ExperimentConfig, ctx: DistContext):
+def build_engine(model: nn.Module, cfg: StageConfig, ctx: DistContext):
     deepspeed = _deepspeed()
     use_gpu = ctx.device.type == "cuda"
     o = cfg.optim

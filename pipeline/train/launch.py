@@ -13,11 +13,11 @@ import sys
 from data_prep.layout import has_dataset
 from data_prep.synthetic import class_names, synthetic_samples
 from data_prep.writer import write_dataset
-from pipeline.config import ExperimentConfig, load_config
+from pipeline.config import StageConfig, load_config
 from pipeline.train.loop import StageResult, train
 
 
-def prepare_data(cfg: ExperimentConfig) -> None:
+def prepare_data(cfg: StageConfig) -> None:
     """Generate the configured synthetic corpus once, before any rank starts (no-op if present)."""
     syn = cfg.data.synthetic
     if syn is None or has_dataset(cfg.data.train):
@@ -38,7 +38,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_local(cfg: ExperimentConfig) -> StageResult | dict[str, float]:
+def launch_local(cfg: StageConfig) -> StageResult | dict[str, float]:
     """One process, or one rank of a torchrun job (torchrun sets RANK/WORLD_SIZE/MASTER_*).
     Returns the training stage's result, or an eval stage's metrics (`kind: eval`)."""
     if "WORLD_SIZE" not in os.environ:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pipeline.config import ExperimentConfig, flatten, save_resolved
+from pipeline.config import StageConfig, flatten, save_resolved
 from pipeline.data.loader import dataset_info, make_train_loader
 from pipeline.models import create_model
 from pipeline.models.convert import load_timm_state_dict
@@ -120,7 +120,7 @@ def init_weights(model, source: str, init_head: bool) -> None:
     log.info("initialised from %s (%s, step %s)", source, meta.get("model", "?"), meta.get("step", "?"))
 
 
-def _model_kwargs(cfg: ExperimentConfig, objective, num_classes: int) -> dict:
+def _model_kwargs(cfg: StageConfig, objective, num_classes: int) -> dict:
     return {"img_size": cfg.model.img_size, **objective.model_kwargs(num_classes), **cfg.model.overrides}
 
 
@@ -135,7 +135,7 @@ def _flops_per_image(model) -> int | None:
         return None
 
 
-def train(cfg: ExperimentConfig, report: Callable[[dict], None] | None = None,
+def train(cfg: StageConfig, report: Callable[[dict], None] | None = None,
           parent_run_id: str | None = None) -> StageResult:  # fmt: skip
     # -- distributed set-up
     ctx = init_distributed(cfg.cluster.use_gpu)
@@ -308,7 +308,7 @@ def train(cfg: ExperimentConfig, report: Callable[[dict], None] | None = None,
     return result
 
 
-def _maybe_kill(cfg: ExperimentConfig, rank: int, step: int, run_path: Path) -> None:
+def _maybe_kill(cfg: StageConfig, rank: int, step: int, run_path: Path) -> None:
     """Fault injection: the configured rank's process dies at the configured step, once per run dir."""
     d = cfg.debug
     if d.kill_rank != rank or d.kill_at_step != step:
