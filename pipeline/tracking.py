@@ -3,16 +3,39 @@
 Every rank constructing its own MLflow run would make one run per GPU (mlflow issue 11782). A
 resumed stage continues its MLflow run (`run_id`), and steps already logged before the restart are
 not logged again, so no (metric, step) pair is written twice.
+
+A run-id file names the MLflow run a run directory logged to: RUN_DIR/mlflow_run.json for a stage
+(written by its rank 0, read by a resumed stage, the job driver and the eval stage's figures), and
+the experiment's parent run file. `read_run_id` and `write_run_id` are the only code that touches one.
+
+MLflow is imported inside the functions that use it: it takes seconds to import, and every rank but
+rank 0 (and the config and CLI paths) never needs it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
+from pathlib import Path
+
+from data_prep import atomic
 
 log = logging.getLogger(__name__)
 
 MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
+RUN_ID_FILE = "mlflow_run.json"  # in a stage's run directory
+
+
+def read_run_id(path: Path) -> str | None:
+    """The MLflow run id a run-id file holds, or None when there is no such file (nothing tracked yet)."""
+    path = Path(path)
+    return json.loads(path.read_text())["run_id"] if path.is_file() else None
+
+
+def write_run_id(path: Path, run_id: str) -> None:
+    """Record `run_id` in a run-id file, atomically (a reader never sees half of it)."""
+    atomic.write_json(path, {"run_id": run_id})
 
 
 class Tracker:
@@ -35,7 +58,7 @@ class Tracker:
         self.status = "FINISHED"
         if not enabled:
             return
-        import mlflow
+        import mlflow  # heavy, and rank 0 only: see the module docstring
 
         self._mlflow = mlflow
         mlflow.set_tracking_uri(uri)

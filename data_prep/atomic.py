@@ -1,0 +1,80 @@
+"""Atomic file writes, implemented once for the whole project: a reader, or a process after a crash,
+sees the old file or the new one, whole, never part of one.
+
+    from data_prep import atomic
+    atomic.write_bytes(path, data)
+    atomic.write_text(path, "step_00000040")
+    atomic.write_json(path, {"run_id": run_id})
+    with atomic.writing(path) as tmp:        # for writers that want a path: safetensors, Parquet, tar
+        pq.write_table(table, tmp)
+
+The data goes to `NAME.tmp` beside the file, is fsynced, and renamed over the file; then the folder
+is fsynced, so the rename itself survives a power cut. A write that raises leaves no `NAME.tmp`
+behind; one killed outright may, and the next write of the same file replaces it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+TMP_SUFFIX = ".tmp"
+
+
+def tmp_path(path: Path) -> Path:
+    """Where the data is written before the rename: `NAME.tmp` in the same folder (same filesystem)."""
+    path = Path(path)
+    return path.with_name(path.name + TMP_SUFFIX)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside `path` durable (a no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def writing(path: Path) -> Iterator[Path]:
+    """Yield the temporary path to write; on a clean exit it replaces `path`, on an exception it is removed."""
+    path = Path(path)
+    tmp = tmp_path(path)
+    try:
+        yield tmp
+        _fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def write_bytes(path: Path, data: bytes) -> None:
+    with writing(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def write_text(path: Path, text: str) -> None:
+    write_bytes(path, text.encode())
+
+
+def write_json(path: Path, obj: Any, *, indent: int | None = None, default=None) -> None:
+    """`json.dumps(obj, indent=indent, default=default)`, written atomically."""
+    write_text(path, json.dumps(obj, indent=indent, default=default))
