@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from pipeline.config import validate_config  # noqa: E402
 from pipeline.data.transforms import normalize  # noqa: E402
 from pipeline.models import create_model, param_groups  # noqa: E402
-from pipeline.objectives import build_objective  # noqa: E402
+from pipeline.objectives import build_objective, model_kwargs  # noqa: E402
 from pipeline.train import checkpoint  # noqa: E402
 from pipeline.train.engine import build_engine, init_distributed  # noqa: E402
 from pipeline.train.loop import train_step  # noqa: E402
@@ -52,7 +52,7 @@ def ours(steps: int):
     ctx = init_distributed(False)
     torch.manual_seed(0)
     objective = build_objective(cfg.objective)
-    model = create_model(MODEL, img_size=IMG, **objective.model_kwargs(CLASSES))
+    model = create_model(MODEL, img_size=IMG, **model_kwargs(cfg.objective, CLASSES))
     engine, _, _ = build_engine(model, cfg, ctx)
     data = itertools.cycle(batches())
 

@@ -1,7 +1,9 @@
 """Objectives: what turns (model, batch) into a loss. The training loop knows nothing else.
 
 Every objective offers
-    model_kwargs(num_classes) -> dict      extra `create_model` arguments (head size, bias, tokens)
+    model_kwargs(cfg, num_classes) -> dict extra `create_model` arguments (head size, bias, tokens); a
+                                           static method, so evaluation asks `model_kwargs(cfg, n)` below
+                                           without building an objective
     prepare(model, device)                 one-time set-up after the model exists (teacher, flags)
     loss(model, batch) -> (loss, metrics)  `metrics` holds detached scalars, read only at log steps
 
@@ -26,7 +28,8 @@ from pipeline.data.transforms import mixup_cutmix, normalize
 class Objective(Protocol):
     name: str
 
-    def model_kwargs(self, num_classes: int) -> dict: ...
+    @staticmethod
+    def model_kwargs(cfg: ObjectiveConfig, num_classes: int) -> dict: ...
 
     def prepare(self, model: nn.Module, device: torch.device) -> None: ...
 
@@ -63,8 +66,9 @@ class SupervisedSoftmax:
     def __init__(self, cfg: ObjectiveConfig):
         self.cfg = cfg
 
-    def model_kwargs(self, num_classes: int) -> dict:
-        bias = self.cfg.head_bias_init if self.cfg.head_bias_init is not None else 0.0
+    @staticmethod
+    def model_kwargs(cfg: ObjectiveConfig, num_classes: int) -> dict:
+        bias = cfg.head_bias_init if cfg.head_bias_init is not None else 0.0
         return {"num_classes": num_classes, "head_bias_init": bias}
 
     def prepare(self, model, device) -> None:
@@ -95,9 +99,10 @@ class SupervisedSigmoid:
     def __init__(self, cfg: ObjectiveConfig):
         self.cfg = cfg
 
-    def model_kwargs(self, num_classes: int) -> dict:
+    @staticmethod
+    def model_kwargs(cfg: ObjectiveConfig, num_classes: int) -> dict:
         # Bias -10: every class starts near probability 0, as on ImageNet-21k / JFT in big_vision.
-        bias = self.cfg.head_bias_init if self.cfg.head_bias_init is not None else -10.0
+        bias = cfg.head_bias_init if cfg.head_bias_init is not None else -10.0
         return {"num_classes": num_classes, "head_bias_init": bias}
 
     def prepare(self, model, device) -> None:
@@ -122,7 +127,8 @@ class MaskedAutoencoder:
     def __init__(self, cfg: ObjectiveConfig):
         self.cfg = cfg
 
-    def model_kwargs(self, num_classes: int) -> dict:
+    @staticmethod
+    def model_kwargs(cfg: ObjectiveConfig, num_classes: int) -> dict:
         return {}
 
     def prepare(self, model, device) -> None:
@@ -148,7 +154,8 @@ class MaskedPatchPrediction:
     def __init__(self, cfg: ObjectiveConfig):
         self.cfg = cfg
 
-    def model_kwargs(self, num_classes: int) -> dict:
+    @staticmethod
+    def model_kwargs(cfg: ObjectiveConfig, num_classes: int) -> dict:
         return {}
 
     def prepare(self, model, device) -> None:
@@ -174,7 +181,8 @@ class Distillation:
         self.teacher: nn.Module | None = None
         self.teacher_size: int | None = None
 
-    def model_kwargs(self, num_classes: int) -> dict:
+    @staticmethod
+    def model_kwargs(cfg: ObjectiveConfig, num_classes: int) -> dict:
         return {"num_classes": num_classes, "distilled": True}
 
     def prepare(self, model, device) -> None:
@@ -244,3 +252,9 @@ OBJECTIVES = {
 
 def build_objective(cfg: ObjectiveConfig) -> Objective:
     return OBJECTIVES[cfg.name](cfg)
+
+
+def model_kwargs(cfg: ObjectiveConfig, num_classes: int) -> dict:
+    """The `create_model` arguments the configured objective needs (head size and bias, distillation
+    token), from its config alone: the loop, the eval stage and tests build the same model."""
+    return OBJECTIVES[cfg.name].model_kwargs(cfg, num_classes)
