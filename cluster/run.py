@@ -13,17 +13,25 @@ it writes RUN_DIR/STAGE/STOP, the loop checkpoints at its next step and ends, an
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
 import time
 from pathlib import Path
 
+from data_prep import atomic
 from pipeline.config import Experiment, StageConfig, load_experiment
-from pipeline.tracking import end_run, log_to_run, open_parent_run, run_metrics
+from pipeline.tracking import (
+    RUN_ID_FILE,
+    end_run,
+    log_to_run,
+    open_parent_run,
+    read_run_id,
+    run_metrics,
+    write_run_id,
+)
 from pipeline.train.launch import prepare_data
-from pipeline.train.loop import RUN_ID_FILE, STOP_FILE
+from pipeline.train.loop import STOP_FILE
 
 DONE = "DONE.json"
 
@@ -108,8 +116,7 @@ def run_stage(cfg: StageConfig, parent_run_id: str | None = None):
 
 
 def _stage_run_id(cfg: StageConfig) -> str | None:
-    path = cfg.run_path / RUN_ID_FILE
-    return json.loads(path.read_text())["run_id"] if path.is_file() else None
+    return read_run_id(cfg.run_path / RUN_ID_FILE)
 
 
 class _StopOnSigterm:
@@ -135,10 +142,10 @@ def run_experiment(exp: Experiment) -> int:
     connect(first.address)
     stopper = _StopOnSigterm()  # after ray.init, which installs a SIGTERM handler of its own
     parent_file = exp.parent_run_file
-    previous = json.loads(parent_file.read_text())["run_id"] if parent_file.is_file() else None
+    previous = read_run_id(parent_file)
     parent = open_parent_run(exp.tracking_uri, exp.name, exp.name, previous,
                              tags={"stages": ",".join(n for n, _ in exp.stages), "config": exp.source})  # fmt: skip
-    parent_file.write_text(json.dumps({"run_id": parent}))
+    write_run_id(parent_file, parent)
     print(f"[{exp.name}] MLflow parent run {parent} at {exp.tracking_uri}", flush=True)
     for name, cfg in exp.stages:
         done = cfg.run_path / DONE
@@ -166,8 +173,9 @@ def run_experiment(exp: Experiment) -> int:
         summary = {f"{name}/{k.split('/')[-1]}": v for k, v in run_metrics(exp.tracking_uri, stage_run).items()
                    if not k.startswith("system/")} if stage_run else {}  # fmt: skip
         log_to_run(exp.tracking_uri, parent, metrics=summary, tags={f"stage.{name}.run_id": stage_run or ""})
-        done.write_text(json.dumps({"stage": name, "mlflow_run_id": stage_run, "finished_at": time.time(),
-                                    "export": str(cfg.run_path / "export") if cfg.kind == "train" else None}))  # fmt: skip
+        export = str(cfg.run_path / "export") if cfg.kind == "train" else None
+        record = {"stage": name, "mlflow_run_id": stage_run, "finished_at": time.time(), "export": export}
+        atomic.write_json(done, record)  # its presence marks the stage finished: never half written
         print(f"[{exp.name}] stage {name}: done", flush=True)
     end_run(exp.tracking_uri, parent, "FINISHED")
     print(f"[{exp.name}] all {len(exp.stages)} stages finished; MLflow: {exp.tracking_uri}", flush=True)

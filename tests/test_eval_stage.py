@@ -21,6 +21,7 @@ import torch
 import yaml
 
 from pipeline.config import ConfigError, load_experiment, validate_config
+from pipeline.tracking import RUN_ID_FILE, write_run_id
 
 ROOT = Path(__file__).parents[1]
 SCRIPT = "tests/scripts/eval_stage.py"
@@ -77,7 +78,7 @@ def _source_run(stage_dir: Path) -> str:
     for step, loss in SOURCE_LOSSES:
         client.log_metric(run_id, "train/loss", loss, step=step)
     client.set_terminated(run_id)
-    (stage_dir / "mlflow_run.json").write_text(json.dumps({"run_id": run_id}))
+    write_run_id(stage_dir / RUN_ID_FILE, run_id)
     return run_id
 
 

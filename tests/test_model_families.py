@@ -145,7 +145,7 @@ def test_each_family_trains_under_every_zero_stage_with_distillation_and_simmim(
     simmim = [v for _, v in history(out / "simmim_swin")]
     assert sum(simmim[-5:]) / 5 < 0.9 * sum(simmim[:5]) / 5, f"SimMIM loss did not fall: {simmim}"
     # SimMIM exports the plain encoder, which the supervised model of the same family loads.
-    from pipeline.train.loop import init_weights
+    from pipeline.stage import init_weights
 
     for run, model in (
         ("simmim_swin", "swin_debug"),

@@ -1,6 +1,5 @@
 """The training loop on 2 gloo ranks: exact resume per ZeRO stage, checkpoint safety, MLflow contents."""
 
-import json
 import os
 import signal
 import subprocess
@@ -15,7 +14,7 @@ from safetensors.torch import load_file
 
 from data_prep.synthetic import class_names, synthetic_samples
 from data_prep.writer import write_dataset
-from pipeline.train.loop import RUN_ID_FILE
+from pipeline.tracking import RUN_ID_FILE, read_run_id
 
 ROOT = Path(__file__).parents[1]
 
@@ -39,7 +38,7 @@ def history(run_dir: Path, metric: str = "train/loss") -> list[tuple[int, float]
     """(step, value) of the MLflow run the stage in run_dir logged to (its run-id file names it), in the
     nearest mlflow.db at or above run_dir: the test scripts share one store (a new SQLite store costs
     about 4 s of migrations here)."""
-    run_id = json.loads((run_dir / RUN_ID_FILE).read_text())["run_id"]
+    run_id = read_run_id(run_dir / RUN_ID_FILE)
     db = next(p / "mlflow.db" for p in (run_dir, *run_dir.parents) if (p / "mlflow.db").is_file())
     client = MlflowClient(f"sqlite:///{db}")
     return [(m.step, m.value) for m in client.get_metric_history(run_id, metric)]

@@ -12,7 +12,6 @@ reason returned, never raised: the caller logs the note. Rank 0 only; nothing he
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -21,11 +20,11 @@ from matplotlib.figure import Figure
 from torch import nn
 
 from pipeline.models.analysis import mean_attention_distance, patch_embed_components, pos_embed_similarity
+from pipeline.tracking import RUN_ID_FILE, read_run_id
 
 log = logging.getLogger(__name__)
 
 MAX_COMPONENTS = 28  # the paper's 4 x 7 grid
-SOURCE_RUN_FILE = "mlflow_run.json"  # pipeline.train.loop.RUN_ID_FILE, beside the stage's export/
 
 
 def _num_components(model: nn.Module) -> int:
@@ -80,10 +79,10 @@ def source_loss_curve(init_from: str | Path, tracking_uris: list[str], out: Path
     mlflow_run.json); returns the PNG, or why there is none. The first store that holds the run wins."""
     from pipeline.compare import open_client, plot_metric  # MLflow reads live in compare
 
-    run_file = source_stage_dir(init_from) / SOURCE_RUN_FILE
-    if not run_file.is_file():
+    run_file = source_stage_dir(init_from) / RUN_ID_FILE  # beside the stage's export/
+    run_id = read_run_id(run_file)
+    if run_id is None:
         return f"no {run_file} (the export did not come from a tracked training stage)"
-    run_id = json.loads(run_file.read_text())["run_id"]
     for uri in dict.fromkeys(tracking_uris):  # in order, without repeats
         try:
             client = open_client(uri)

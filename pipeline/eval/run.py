@@ -18,10 +18,8 @@ so every rank returns the same dict. Nothing is exported; RUN_DIR/eval.json keep
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,19 +29,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from pipeline.config import EvalConfig, StageConfig, flatten, save_resolved
+from data_prep import atomic
+from pipeline.config import EvalConfig, StageConfig
 from pipeline.data.loader import dataset_info, make_eval_loader
 from pipeline.data.transforms import normalize
 from pipeline.eval.fewshot import fewshot_ridge, linear_probe
 from pipeline.eval.figures import model_figures, source_loss_curve, source_stage_dir
 from pipeline.eval.metrics import MetricState, mean_average_precision, top1_is_positive, topk_correct
 from pipeline.models import create_model
-from pipeline.models.convert import load_timm_state_dict
-from pipeline.objectives import build_objective
+from pipeline.stage import init_weights, model_kwargs, open_stage
 from pipeline.tracking import Tracker
-from pipeline.train.engine import DistContext, init_distributed
-from pipeline.train.export import load_exported
-from pipeline.train.loop import RUN_ID_FILE, _model_kwargs, code_version, seed_everything
+from pipeline.train.engine import DistContext
 
 log = logging.getLogger(__name__)
 EVAL_FILE = "eval.json"
@@ -68,14 +64,13 @@ class SplitPass:
 
 def load_model(cfg: StageConfig, num_classes: int, device: torch.device) -> tuple[nn.Module, dict]:
     """The stage's model built as the training loop builds it, with the export's weights; eval mode."""
-    model = create_model(cfg.model.name, **_model_kwargs(cfg, build_objective(cfg.objective), num_classes))
+    model = create_model(cfg.model.name, **model_kwargs(cfg, num_classes))
     if not (hasattr(model, "forward_features") and hasattr(model, "forward_head")):
         raise ValueError(
             f"kind: eval needs a classifier (forward_features, forward_head): {cfg.model.name} is "
             f"{type(model).__name__}; evaluate the exported encoder's model name instead"
         )
-    state, meta = load_exported(cfg.model.init_from)
-    load_timm_state_dict(model, state, strict_head=cfg.model.init_head, reset_head=not cfg.model.init_head)
+    meta = init_weights(model, cfg.model.init_from, cfg.model.init_head)
     return model.to(device).eval().requires_grad_(False), meta
 
 
@@ -187,12 +182,6 @@ def linear_metrics(
 # ---------------------------------------------------------------- the stage
 
 
-def _write_json(path: Path, payload: dict) -> None:
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=2, default=str))
-    os.replace(tmp, path)
-
-
 def _figures(cfg: StageConfig, model: nn.Module, images: torch.Tensor | None,
              tracker: Tracker) -> dict[str, str]:  # fmt: skip
     """Rank 0: analysis PNGs and the source stage's loss curve as artifacts; returns {skipped: why}."""
@@ -217,12 +206,9 @@ def evaluate(cfg: StageConfig, report: Callable[[dict], None] | None = None,
     """Run the eval stage on this rank; returns the metrics (the same dict on every rank)."""
     if cfg.model.init_from is None:
         raise ValueError(f"{cfg.name}: an eval stage needs model.init_from")
-    # -- distributed set-up
-    ctx = init_distributed(cfg.cluster.use_gpu)
-    seed_everything(cfg.seed)
-    run_path, e = cfg.run_path, cfg.eval
-    if ctx.is_main:
-        save_resolved(cfg, run_path / "config.yaml")
+    # -- distributed set-up, seeds, RUN_DIR/config.yaml
+    stage = open_stage(cfg)
+    ctx, run_path, e = stage.ctx, stage.run_path, cfg.eval
     batch_size = e.batch_size or cfg.data.batch_size
 
     # -- model
@@ -234,21 +220,9 @@ def evaluate(cfg: StageConfig, report: Callable[[dict], None] | None = None,
     step = max(1, int(meta.get("step") or 1))  # the Tracker drops step 0
 
     # -- tracking (rank 0): a re-run of a failed eval stage continues its MLflow run
-    run_id_path = run_path / RUN_ID_FILE
-    run_id = json.loads(run_id_path.read_text())["run_id"] if run_id_path.is_file() else None
-    tracker = Tracker(
-        cfg.tracking_uri, cfg.tracking.experiment or cfg.name, run_name=cfg.name, enabled=ctx.is_main,
-        tags={"variant": cfg.model.name + "".join(f",{k}={v}" for k, v in sorted(cfg.model.overrides.items())),
-              "kind": "eval", "init_from": str(cfg.model.init_from), "world_size": str(ctx.world_size),
-              "code_version": code_version()},
-        run_id=run_id, parent_run_id=parent_run_id, system_metrics=cfg.tracking.system_metrics,
-    )  # fmt: skip
-    with tracker:
+    tags = {"kind": "eval", "init_from": str(cfg.model.init_from)}
+    with stage.tracking(tags, parent_run_id) as tracker:
         if ctx.is_main:
-            if run_id is None:
-                run_id_path.write_text(json.dumps({"run_id": tracker.run_id}))
-                tracker.log_params(flatten(cfg))
-                tracker.log_artifact(str(run_path / "config.yaml"))
             print(f"[{cfg.name}] eval of {cfg.model.init_from} (step {meta.get('step', '?')}) | "
                   f"{cfg.data.train} {e.eval_split} | world {ctx.world_size} | batch {batch_size}", flush=True)  # fmt: skip
 
@@ -302,10 +276,16 @@ def evaluate(cfg: StageConfig, report: Callable[[dict], None] | None = None,
         # -- log and write eval.json
         tracker.log_metrics(metrics, step=step)
         if ctx.is_main:
-            _write_json(run_path / EVAL_FILE, {
-                "stage": cfg.name, "model": cfg.model.name, "init_from": str(cfg.model.init_from),
-                "source_step": meta.get("step"), "world_size": ctx.world_size, "metrics": metrics, **details,
-            })  # fmt: skip
+            summary = {
+                "stage": cfg.name,
+                "model": cfg.model.name,
+                "init_from": str(cfg.model.init_from),
+                "source_step": meta.get("step"),
+                "world_size": ctx.world_size,
+                "metrics": metrics,
+                **details,
+            }
+            atomic.write_json(run_path / EVAL_FILE, summary, indent=2, default=str)
             print(f"[{cfg.name}] " + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()), flush=True)
         if report is not None:
             report(dict(metrics))  # every rank, once (Ray Train needs equal report counts)

@@ -10,11 +10,9 @@ rank's RNG states, and the data stream continues at batch N x grad_accum (see pi
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -25,19 +23,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pipeline.config import StageConfig, flatten, save_resolved
+from pipeline.config import StageConfig
 from pipeline.data.loader import dataset_info, make_train_loader
 from pipeline.models import create_model
-from pipeline.models.convert import load_timm_state_dict
+from pipeline.models.flops import flops_per_image
 from pipeline.objectives import build_objective
-from pipeline.tracking import Tracker
+from pipeline.stage import init_weights, model_kwargs, open_stage
 from pipeline.train import checkpoint
-from pipeline.train.engine import build_engine, consolidated_state_dict, init_distributed, scaled_lr
-from pipeline.train.export import export_weights, load_exported
+from pipeline.train.engine import build_engine, consolidated_state_dict, scaled_lr
+from pipeline.train.export import export_weights
 from pipeline.train.storage import Store, child
 
 log = logging.getLogger(__name__)
-RUN_ID_FILE = "mlflow_run.json"
 STOP_FILE = "STOP"
 
 
@@ -52,24 +49,9 @@ class StageResult:
     losses: list[float] = field(default_factory=list)
 
 
-def seed_everything(seed: int) -> None:
-    # Same seed on every rank: identical initial weights; data order and masks take their own seeds.
-    torch.manual_seed(seed)
-    np.random.seed(seed)
-
-
 def step_seed(seed: int, step: int, micro: int, rank: int) -> int:
     """An integer seed per (seed, step, micro-step, rank): resumable, and equal across processes."""
     return int(np.random.SeedSequence([seed, step, micro, rank]).generate_state(1)[0])
-
-
-def code_version() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).parent)  # fmt: skip
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 class StopRequest:
@@ -113,22 +95,7 @@ def train_step(engine, objective, batches, device: torch.device, seed: int, step
     return loss, metrics, batch
 
 
-def init_weights(model, source: str, init_head: bool) -> None:
-    """Start from exported weights (a pretraining stage's, or public ones in the timm layout)."""
-    state, meta = load_exported(source)
-    load_timm_state_dict(model, state, strict_head=init_head, reset_head=not init_head)
-    log.info("initialised from %s (%s, step %s)", source, meta.get("model", "?"), meta.get("step", "?"))
-
-
-def _model_kwargs(cfg: StageConfig, objective, num_classes: int) -> dict:
-    return {"img_size": cfg.model.img_size, **objective.model_kwargs(num_classes), **cfg.model.overrides}
-
-
 def _flops_per_image(model) -> int | None:
-    try:
-        from pipeline.models.flops import flops_per_image
-    except ImportError:
-        return None
     try:
         return int(flops_per_image(model))
     except (TypeError, ValueError, NotImplementedError):
@@ -137,21 +104,18 @@ def _flops_per_image(model) -> int | None:
 
 def train(cfg: StageConfig, report: Callable[[dict], None] | None = None,
           parent_run_id: str | None = None) -> StageResult:  # fmt: skip
-    # -- distributed set-up
-    ctx = init_distributed(cfg.cluster.use_gpu)
-    seed_everything(cfg.seed)
-    run_path = cfg.run_path
+    # -- distributed set-up, seeds, RUN_DIR/config.yaml
+    stage = open_stage(cfg)
+    ctx, run_path = stage.ctx, stage.run_path
     ckpt_dir = run_path / "checkpoints"
-    if ctx.is_main:
-        save_resolved(cfg, run_path / "config.yaml")
 
     # -- model and objective
     info = dataset_info(
         cfg.data.train, "train", num_classes=cfg.data.num_classes, multi_label=cfg.data.multi_label
     )
     objective = build_objective(cfg.objective)
-    model_kwargs = _model_kwargs(cfg, objective, cfg.model.num_classes or info.num_classes)
-    model = create_model(cfg.model.name, **model_kwargs)
+    kwargs = model_kwargs(cfg, cfg.model.num_classes or info.num_classes)
+    model = create_model(cfg.model.name, **kwargs)
     if cfg.model.init_from:
         init_weights(model, cfg.model.init_from, cfg.model.init_head)
     flops_img = _flops_per_image(model)
@@ -184,25 +148,16 @@ def train(cfg: StageConfig, report: Callable[[dict], None] | None = None,
     )  # fmt: skip
 
     # -- tracking (rank 0 only): a resumed stage continues its MLflow run
-    run_id_path = run_path / RUN_ID_FILE
-    run_id = json.loads(run_id_path.read_text())["run_id"] if run_id_path.is_file() else None
-    tracker = Tracker(
-        cfg.tracking_uri, cfg.tracking.experiment or cfg.name, run_name=cfg.name, enabled=ctx.is_main,
-        tags={"variant": cfg.model.name + "".join(f",{k}={v}" for k, v in sorted(cfg.model.overrides.items())),
-              "objective": cfg.objective.name, "world_size": str(ctx.world_size), "code_version": code_version()},
-        run_id=run_id, parent_run_id=parent_run_id, system_metrics=cfg.tracking.system_metrics,
-    )  # fmt: skip
+    derived = {
+        "derived.global_batch": global_batch,
+        "derived.lr": scaled_lr(cfg, ctx.world_size),
+        "derived.num_params": num_params,
+        "derived.flops_per_image": flops_img,
+    }
     stop = StopRequest(run_path / STOP_FILE)
     stop.stop_file.unlink(missing_ok=True)  # a stop request belongs to the run it stopped
-    with tracker:
+    with stage.tracking({"objective": cfg.objective.name}, parent_run_id, params=derived) as tracker:
         if ctx.is_main:
-            if run_id is None:
-                run_id_path.write_text(json.dumps({"run_id": tracker.run_id}))
-                tracker.log_params(flatten(cfg))
-                tracker.log_params({"derived.global_batch": global_batch, "derived.lr": scaled_lr(cfg, ctx.world_size),
-                                    "derived.num_params": num_params,
-                                    "derived.flops_per_image": flops_img})  # fmt: skip
-                tracker.log_artifact(str(run_path / "config.yaml"))
             tracker.set_tags({"checkpoint_dir": str(ckpt_dir),
                               **({"checkpoint_uri": cfg.checkpoint.uri} if store else {})})  # fmt: skip
             print(
@@ -289,7 +244,7 @@ def train(cfg: StageConfig, report: Callable[[dict], None] | None = None,
             if cfg.checkpoint.export:
                 state = consolidated_state_dict(engine, str(ckpt_dir), final_dir.name)
                 if ctx.is_main:
-                    export_path = str(export_weights(state, cfg.model.name, model_kwargs, run_path / "export",
+                    export_path = str(export_weights(state, cfg.model.name, kwargs, run_path / "export",
                                                      cfg.optim.steps))  # fmt: skip
                     if store is not None:  # the next stage may run on other machines: it reads this copy
                         for f in sorted((run_path / "export").iterdir()):

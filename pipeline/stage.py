@@ -1,0 +1,137 @@
+"""Opening a stage, the same for training (pipeline.train.loop) and evaluation (pipeline.eval.run).
+
+    stage = open_stage(cfg)        # every rank: join the process group, seed, rank 0 saves RUN_DIR/config.yaml
+    model = create_model(cfg.model.name, **model_kwargs(cfg, num_classes))
+    if cfg.model.init_from:
+        init_weights(model, cfg.model.init_from, cfg.model.init_head)
+    ...                            # the stage's own set-up: engine, resume, input
+    with stage.tracking({"objective": cfg.objective.name}, parent_run_id) as tracker:
+        ...                        # MLflow on rank 0, a no-op elsewhere; the run is FAILED on an exception
+
+A stage's MLflow run is named by RUN_DIR/mlflow_run.json (pipeline.tracking.RUN_ID_FILE): a stage
+that runs again in the same run directory (a resume, a re-run of a failed eval) continues its run,
+and the job driver and the eval stage's figures find it there.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from pipeline import objectives
+from pipeline.config import StageConfig, flatten, save_resolved
+from pipeline.models.convert import load_timm_state_dict
+from pipeline.tracking import RUN_ID_FILE, Tracker, read_run_id, write_run_id
+from pipeline.train.engine import DistContext, init_distributed
+from pipeline.train.export import load_exported
+
+log = logging.getLogger(__name__)
+CONFIG_FILE = "config.yaml"  # the resolved config, in the run directory and as an MLflow artifact
+
+
+@dataclass
+class Stage:
+    """One rank's view of an opened stage: its config and its place in the process group."""
+
+    cfg: StageConfig
+    ctx: DistContext
+
+    @property
+    def run_path(self) -> Path:
+        return self.cfg.run_path
+
+    @contextmanager
+    def tracking(
+        self,
+        tags: Mapping[str, str],
+        parent_run_id: str | None = None,
+        params: Mapping[str, object] | None = None,
+    ) -> Iterator[Tracker]:
+        """The stage's MLflow run (rank 0; a no-op Tracker elsewhere), continued if RUN_DIR names one.
+
+        A new run gets the run-id file, the flattened config and `params` as params, and config.yaml
+        as an artifact; every run gets the variant, world size and code version as tags, with `tags`.
+        """
+        cfg, ctx = self.cfg, self.ctx
+        run_id_path = self.run_path / RUN_ID_FILE
+        run_id = read_run_id(run_id_path)
+        variant = cfg.model.name + "".join(f",{k}={v}" for k, v in sorted(cfg.model.overrides.items()))
+        tracker = Tracker(
+            cfg.tracking_uri,
+            cfg.tracking.experiment or cfg.name,
+            run_name=cfg.name,
+            enabled=ctx.is_main,
+            tags={
+                "variant": variant,
+                "world_size": str(ctx.world_size),
+                "code_version": code_version(),
+                **tags,
+            },
+            run_id=run_id,
+            parent_run_id=parent_run_id,
+            system_metrics=cfg.tracking.system_metrics,
+        )
+        with tracker:
+            if ctx.is_main and run_id is None:
+                write_run_id(run_id_path, tracker.run_id)
+                tracker.log_params(flatten(cfg))
+                if params:
+                    tracker.log_params(params)
+                tracker.log_artifact(str(self.run_path / CONFIG_FILE))
+            yield tracker
+
+
+def open_stage(cfg: StageConfig) -> Stage:
+    """Every rank: join the process group the launcher described, seed, and (rank 0) save the config."""
+    ctx = init_distributed(cfg.cluster.use_gpu)
+    seed_everything(cfg.seed)
+    if ctx.is_main:
+        save_resolved(cfg, cfg.run_path / CONFIG_FILE)
+    return Stage(cfg, ctx)
+
+
+def seed_everything(seed: int) -> None:
+    # Same seed on every rank: identical initial weights; data order and masks take their own seeds.
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+
+
+def code_version() -> str:
+    """The checkout's short commit, or "unknown" outside a git checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).parent,
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def model_kwargs(cfg: StageConfig, num_classes: int) -> dict:
+    """The stage's `create_model` arguments: its image size, the objective's head, the config's overrides."""
+    return {
+        "img_size": cfg.model.img_size,
+        **objectives.model_kwargs(cfg.objective, num_classes),
+        **cfg.model.overrides,
+    }
+
+
+def init_weights(model: nn.Module, source: str | Path, init_head: bool) -> dict:
+    """Load exported weights (a stage's export, or public ones in the timm layout; a folder, a file or a
+    storage URI) into `model`, the head too if `init_head`; returns the export's description."""
+    state, meta = load_exported(source)
+    load_timm_state_dict(model, state, strict_head=init_head, reset_head=not init_head)
+    log.info("initialised from %s (%s, step %s)", source, meta.get("model", "?"), meta.get("step", "?"))
+    return meta
