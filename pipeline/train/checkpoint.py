@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import random
 import shutil
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from data_prep import atomic
 from pipeline.train.storage import Store
 
 log = logging.getLogger(__name__)
@@ -50,12 +50,6 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def rng_state() -> dict:
@@ -117,8 +111,8 @@ def save(engine, ckpt_dir: Path, step: int, keep_last: int, rank: int, extra: di
         record = {"step": step, "world_size": dist.get_world_size(),
                   "files": {k: v for part in parts for k, v in sorted(part.items())}}  # fmt: skip
         text = json.dumps(record, indent=1)
-        _atomic_write(tag_dir / COMPLETE, text)
-        _atomic_write(ckpt_dir / LATEST, tag)
+        atomic.write_text(tag_dir / COMPLETE, text)
+        atomic.write_text(ckpt_dir / LATEST, tag)
         if store is not None:
             store.write_text(f"{tag}/{COMPLETE}", text)  # after every rank's upload: the tag is complete
             store.write_text(LATEST, tag)

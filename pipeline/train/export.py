@@ -8,13 +8,13 @@ RUN_DIR/export/model.json          which model, its constructor arguments, the s
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from data_prep import atomic
 from pipeline.models import create_model
 from pipeline.train.storage import Store, is_uri
 
@@ -31,13 +31,16 @@ def export_weights(
     plain = model.export_encoder() if exported == "encoder" else model
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().float().contiguous() for k, v in plain.state_dict().items()}
-    tmp = out_dir / (WEIGHTS + ".tmp")
-    save_file(tensors, str(tmp), metadata={"model": model_name, "step": str(step)})
-    os.replace(tmp, out_dir / WEIGHTS)
-    meta = {"model": model_name, "model_kwargs": model_kwargs, "exported": exported, "step": step,
-            "num_params": sum(v.numel() for v in tensors.values())}  # fmt: skip
-    (out_dir / (META + ".tmp")).write_text(json.dumps(meta, indent=2, default=str))
-    os.replace(out_dir / (META + ".tmp"), out_dir / META)
+    with atomic.writing(out_dir / WEIGHTS) as tmp:
+        save_file(tensors, str(tmp), metadata={"model": model_name, "step": str(step)})
+    meta = {
+        "model": model_name,
+        "model_kwargs": model_kwargs,
+        "exported": exported,
+        "step": step,
+        "num_params": sum(v.numel() for v in tensors.values()),
+    }
+    atomic.write_json(out_dir / META, meta, indent=2, default=str)
     return out_dir / WEIGHTS
 
 
