@@ -17,6 +17,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from data_prep import atomic
+
 
 class ConfigError(ValueError):
     """A config file or override that does not fit the schema; the message says where and why."""
@@ -422,9 +424,7 @@ def validate_config(raw: dict, source: str = "<config>") -> StageConfig:
 def save_resolved(cfg: StageConfig, path: Path) -> Path:
     """Write the resolved config atomically (every run keeps the exact config it ran with)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(cfg.to_yaml())
-    os.replace(tmp, path)
+    atomic.write_text(path, cfg.to_yaml())
     return path
 
 
