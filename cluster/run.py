@@ -30,14 +30,10 @@ from pipeline.tracking import (
     run_metrics,
     write_run_id,
 )
-from pipeline.train.launch import prepare_data
+from pipeline.train.launch import prepare_data, run_rank
 from pipeline.train.loop import STOP_FILE
 
 DONE = "DONE.json"
-
-
-class StageFailed(RuntimeError):
-    pass
 
 
 def _worker(config: dict) -> None:
@@ -47,14 +43,7 @@ def _worker(config: dict) -> None:
     from pipeline.config import validate_config
 
     cfg = validate_config(config["cfg"], source="<ray worker>")
-    if cfg.kind == "eval":
-        from pipeline.eval.run import evaluate
-
-        evaluate(cfg, report=ray.train.report, parent_run_id=config["parent_run_id"])
-    else:
-        from pipeline.train.loop import train
-
-        train(cfg, report=ray.train.report, parent_run_id=config["parent_run_id"])
+    run_rank(cfg, report=ray.train.report, parent_run_id=config["parent_run_id"])
 
 
 def connect(address: str | None) -> None:

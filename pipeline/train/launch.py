@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from collections.abc import Callable
 
 from data_prep.layout import has_dataset
 from data_prep.synthetic import class_names, synthetic_samples
@@ -38,19 +39,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_rank(
+    cfg: StageConfig, report: Callable[[dict], None] | None = None, parent_run_id: str | None = None
+) -> StageResult | dict[str, float]:
+    """This rank's part of the stage, in a process group the launcher set up (torchrun, Ray Train, or
+    launch_local): the training loop's result, or an eval stage's metrics (`kind: eval`)."""
+    if cfg.kind == "eval":
+        # Imported here: the evaluators import matplotlib (seconds), which a training process never needs.
+        from pipeline.eval.run import evaluate
+
+        return evaluate(cfg, report=report, parent_run_id=parent_run_id)
+    return train(cfg, report=report, parent_run_id=parent_run_id)
+
+
 def launch_local(cfg: StageConfig) -> StageResult | dict[str, float]:
-    """One process, or one rank of a torchrun job (torchrun sets RANK/WORLD_SIZE/MASTER_*).
-    Returns the training stage's result, or an eval stage's metrics (`kind: eval`)."""
+    """One process, or one rank of a torchrun job (torchrun sets RANK/WORLD_SIZE/MASTER_*)."""
     if "WORLD_SIZE" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     if os.environ.get("RANK", "0") == "0":
         prepare_data(cfg)
-    if cfg.kind == "eval":
-        from pipeline.eval.run import evaluate  # imported here: training runs never load the evaluators
-
-        return evaluate(cfg)
-    return train(cfg)
+    return run_rank(cfg)
 
 
 def main(argv: list[str] | None = None) -> None:
