@@ -76,10 +76,6 @@ class Tracker:
         self.run_id = run.info.run_id
         log.info("MLflow run %s in experiment %r at %s", self.run_id, experiment, uri)
 
-    @property
-    def resumed(self) -> bool:
-        return self.last_logged_step > 0
-
     def log_params(self, params: Mapping[str, object]) -> None:
         if self.enabled:
             items = [(k, str(v)[:MAX_PARAM_LEN]) for k, v in params.items()]

@@ -38,7 +38,7 @@ def _filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
     except ValueError as exc:  # pyarrow's ArrowInvalid: a scheme it was not built with
         scheme = urlsplit(uri).scheme
         try:
-            import fsspec
+            import fsspec  # optional: only for schemes pyarrow lacks (az://, abfs://, ...)
 
             fs = fsspec.filesystem(scheme)
         except (ImportError, ValueError) as fs_exc:
