@@ -18,6 +18,13 @@ Metric columns default to every metric the runs logged except MLflow's `system/*
 those with `--metric`). `--agg` turns a history into one number: `final` (the value at the last
 step), `min`, `max`, or `best` (min for names containing "loss", max otherwise).
 A missing experiment, run or metric prints one line naming what exists and exits with status 2.
+
+The plain table fits a terminal (`--width`, 120 columns by default): the run, its id and parent,
+the params that differ in meaning and the metrics. Params whose values are paths or URIs (run
+directories, data and checkpoint locations, tracking URIs) and params that only repeat the run's
+name are left out; long cells are cut; when the rest still does not fit, the chosen metrics come
+first, then the params, and a note on stderr names what was left out. `--wide` shows every column
+in full, as csv always does; markdown leaves out the same params but is never cut to a width.
 """
 
 from __future__ import annotations
@@ -28,7 +35,9 @@ import difflib
 import io
 import math
 import os
+import re
 import sys
+import textwrap
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -44,6 +53,8 @@ AGGREGATIONS = ("final", "best", "min", "max")
 FORMATS = ("table", "markdown", "csv")
 MISSING = "-"  # shown for a param or metric a run does not have
 MAX_LISTED = 12  # names listed in an error message before "..."
+TABLE_WIDTH = 120  # columns the plain table fits by default (--width)
+MAX_CELL = 24  # characters of a cell the fitted table shows; longer ones end in "..."
 
 Cell = str | float | None
 
@@ -274,6 +285,7 @@ class Table:
     columns: list[str]
     rows: list[list[Cell]]
     run_ids: list[str]  # full ids, row by row (the `id` column shows 8 characters outside csv)
+    kinds: list[str]  # per column: "run", "id", "parent", "param" or "metric"
 
     def column(self, name: str) -> int:
         # A metric column may be asked for by its bare name ("train/loss" for "train/loss [best]").
@@ -297,7 +309,8 @@ def build_table(client: MlflowClient, runs: Sequence[Run], metrics: Sequence[str
         row += [r.data.params.get(p) for p in params]
         row += [aggregate(client, r, m, agg) for m in metrics]
         rows.append(row)
-    return Table(columns, rows, [r.info.run_id for r in runs])
+    kinds = [*TEXT_COLUMNS[: 3 if nested else 2], *(["param"] * len(params)), *(["metric"] * len(metrics))]
+    return Table(columns, rows, [r.info.run_id for r in runs], kinds)
 
 
 def _sort_key(value: Cell) -> tuple:
@@ -323,7 +336,98 @@ def sort_table(table: Table, column: str, descending: bool = False) -> Table:
         (k for k in order if not absent(k)), key=lambda k: _sort_key(table.rows[k][i]), reverse=descending
     )
     order = present + [k for k in order if absent(k)]
-    return Table(table.columns, [table.rows[k] for k in order], [table.run_ids[k] for k in order])
+    return Table(
+        table.columns, [table.rows[k] for k in order], [table.run_ids[k] for k in order], table.kinds
+    )
+
+
+# ---------------------------------------------------------------- fitting a terminal
+
+_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:(//|/)")  # s3://, gs://, file:///, sqlite:///, http://
+
+
+def path_like(value: str) -> bool:
+    """A filesystem path or URI: where something is, not what the run did."""
+    return value.startswith(("/", "~", "./", "../", "pipe:")) or bool(_URI.match(value))
+
+
+def _same_as_run_name(table: Table, i: int) -> bool:
+    present = [row for row in table.rows if row[i] is not None]
+    return bool(present) and all(row[i] == row[0] for row in present)
+
+
+def _absent(value: Cell) -> bool:
+    return value is None or value in ("None", "")
+
+
+def locational_params(table: Table) -> list[int]:
+    """Param columns that differ only in where things are (paths, URIs) or repeat the run's name."""
+    out = []
+    for i, kind in enumerate(table.kinds):
+        if kind != "param":
+            continue
+        values = [str(row[i]) for row in table.rows if not _absent(row[i])]
+        if (values and all(map(path_like, values))) or _same_as_run_name(table, i):
+            out.append(i)
+    return out
+
+
+def cut_cell(text: str, limit: int = MAX_CELL) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _select(table: Table, keep: Sequence[int]) -> Table:
+    keep = sorted(keep)
+    rows = [[row[i] for i in keep] for row in table.rows]
+    return Table([table.columns[i] for i in keep], rows, table.run_ids, [table.kinds[i] for i in keep])
+
+
+def fit_table(table: Table, width: int | None, metrics_first: bool) -> tuple[Table, list[str], list[str]]:
+    """The columns a reader needs: no locational params, and with `width`, what fits in it.
+
+    Returns the table (cells cut to MAX_CELL when `width` is set), the locational params left out,
+    and the other columns left out for want of room. The run, id and parent columns always stay; of
+    the rest, the chosen metrics (`metrics_first`) or else the params are offered a place first, in
+    their order, each taken if it still fits.
+    """
+    dropped = set(locational_params(table))
+    locational = [table.columns[i] for i in sorted(dropped)]
+    if width is None:
+        return _select(table, [i for i in range(len(table.columns)) if i not in dropped]), locational, []
+    cut_rows = [[v if isinstance(v, float | None) else cut_cell(str(v)) for v in row] for row in table.rows]
+    table = Table(table.columns, cut_rows, table.run_ids, table.kinds)
+
+    def col_width(i: int) -> int:
+        return max([len(table.columns[i]), *(len(_text(row[i], table.columns[i])) for row in table.rows)])
+
+    keep = [i for i, kind in enumerate(table.kinds) if kind in TEXT_COLUMNS]
+    used = sum(col_width(i) for i in keep) + 2 * (len(keep) - 1)
+    first, second = ("metric", "param") if metrics_first else ("param", "metric")
+    offered = [
+        i for kind in (first, second) for i, k in enumerate(table.kinds) if k == kind and i not in dropped
+    ]
+    left_out = []
+    for i in offered:
+        if used + 2 + col_width(i) <= width:
+            keep.append(i)
+            used += 2 + col_width(i)
+        else:
+            left_out.append(table.columns[i])
+    return _select(table, keep), locational, left_out
+
+
+def left_out_note(locational: Sequence[str], left_out: Sequence[str], width: int | None) -> str:
+    """A note naming the columns a fitted table does not show, wrapped to the width ("" if none)."""
+    parts = []
+    if locational:
+        parts.append(f"path/URI or run-name params {_listing(list(locational))}")
+    if left_out:
+        columns = f"{len(left_out)} column{'s' * (len(left_out) != 1)}"
+        parts.append(f"{columns} beyond {width} characters: {_listing(list(left_out))}")
+    if not parts:
+        return ""
+    note = f"not shown (--wide shows every column): {'; '.join(parts)}"
+    return textwrap.fill(note, width or TABLE_WIDTH, subsequent_indent="  ", break_on_hyphens=False)
 
 
 # ---------------------------------------------------------------- rendering
@@ -424,9 +528,55 @@ def plot_metric(client: MlflowClient, runs: Sequence[Run], metric: str, out: Pat
 # ---------------------------------------------------------------- entry points
 
 
+def add_compare_parser(sub) -> argparse.ArgumentParser:
+    """`vitpipe compare`'s arguments; `pipeline.cli` adds them to the vitpipe command."""
+    p = sub.add_parser(
+        "compare",
+        help="compare MLflow runs: the params that differ, metrics, curves",
+        description="Compare MLflow runs chosen by experiment, filter or id (nested child runs included): "
+        "a table of the params that differ and of metrics; with --plot, also a figure of one metric against step. "
+        "Store: --tracking-uri, else $MLFLOW_TRACKING_URI, else runs/<experiment>/mlflow.db or the only "
+        "runs/*/mlflow.db (where `vitpipe train` writes by default). The table fits --width columns "
+        "without the params that are paths or URIs; --wide shows every column.",
+    )
+    p.add_argument(
+        "--tracking-uri", metavar="URI", help="MLflow tracking URI, e.g. sqlite:///runs/smoke/mlflow.db"
+    )
+    p.add_argument(
+        "--experiment", action="append", default=[], metavar="NAME", help="experiment name (repeatable)"
+    )
+    p.add_argument(
+        "--filter", metavar="EXPR", help="MLflow search filter, e.g. \"params.optim.lr = '0.001'\""
+    )
+    p.add_argument("--run", action="append", default=[], metavar="ID", help="run id (repeatable)")
+    p.add_argument("--no-children", action="store_true", help="leave out nested child runs")
+    p.add_argument(
+        "--metric", action="append", default=[], metavar="NAME",
+        help="metric column (repeatable); default every metric but system/*",
+    )  # fmt: skip
+    p.add_argument(
+        "--agg", choices=AGGREGATIONS, default="final",
+        help="value per run: final step, min, max, or best (min for *loss*, else max); default final",
+    )  # fmt: skip
+    p.add_argument("--sort", metavar="COLUMN", help="sort rows by this metric (or param) column")
+    p.add_argument("--desc", action="store_true", help="sort in descending order")
+    p.add_argument("--format", choices=FORMATS, default="table", help="output format")
+    p.add_argument(
+        "--width", type=int, default=TABLE_WIDTH, metavar="COLS",
+        help=f"characters the plain table fits (default {TABLE_WIDTH})",
+    )  # fmt: skip
+    p.add_argument(
+        "--wide", action="store_true", help="every differing param and metric, cells in full (csv always is)"
+    )
+    p.add_argument("--plot", metavar="METRIC", help="also plot this metric against step, one line per run")
+    p.add_argument("--out", metavar="FILE.png", help="where --plot writes the figure")
+    p.set_defaults(func=run)
+    return p
+
+
 def run(args: argparse.Namespace) -> int:
-    """The `vitpipe compare` handler (arguments from `pipeline.cli.add_compare_parser`)."""
-    from mlflow.exceptions import MlflowException
+    """The `vitpipe compare` handler (arguments from `add_compare_parser`)."""
+    from mlflow.exceptions import MlflowException  # MLflow takes seconds to import; only here and below
 
     try:
         if args.plot and not args.out:
@@ -440,7 +590,14 @@ def run(args: argparse.Namespace) -> int:
         table = build_table(client, runs, metrics, args.agg)
         if args.sort:
             table = sort_table(table, args.sort, args.desc)
+        note = ""
+        if not args.wide and args.format != "csv":
+            width = args.width if args.format == "table" else None
+            table, locational, left_out = fit_table(table, width, metrics_first=bool(args.metric))
+            note = left_out_note(locational, left_out, width)
         print(RENDERERS[args.format](table))
+        if note:
+            print(note, file=sys.stderr)
         if args.plot:
             title = f"{args.plot} ({', '.join(args.experiment)})" if args.experiment else args.plot
             n = plot_metric(client, runs, args.plot, Path(args.out), title)
@@ -456,8 +613,6 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m pipeline.compare ARGS` (the same arguments as `vitpipe compare ARGS`)."""
-    from pipeline.cli import add_compare_parser
-
     parser = argparse.ArgumentParser(prog="vitpipe")
     add_compare_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["compare", *(sys.argv[1:] if argv is None else argv)])

@@ -13,7 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.compare import CompareError, main, resolve_tracking_uri
+from pipeline.compare import (
+    MAX_CELL,
+    TABLE_WIDTH,
+    CompareError,
+    cut_cell,
+    main,
+    path_like,
+    resolve_tracking_uri,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -245,6 +253,102 @@ def test_default_store_follows_the_train_layout(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow:5000")
     assert resolve_tracking_uri(None, ["b"], cwd=tmp_path) == "http://mlflow:5000"
     assert resolve_tracking_uri("sqlite:///x.db", ["b"], cwd=tmp_path) == "sqlite:///x.db"
+
+
+# ---------------------------------------------------------------- fitting a terminal
+
+# Runs shaped like an experiment's stages: locations that differ everywhere (run dirs, data and init
+# paths, a tracking URI, the stage name) and more differing params than 120 columns can hold.
+MANY = {f"optim.schedule_param_{i:02d}": "cosine_with_restarts_{}" for i in range(12)}
+
+
+@pytest.fixture(scope="module")
+def stages_store(tmp_path_factory) -> dict[str, str]:
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric, Param
+
+    root = tmp_path_factory.mktemp("mlflow_stages")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("stages", artifact_location=(root / "artifacts").as_uri())
+    stages = [("pretrain", "0.0015"), ("finetune", "0.005"), ("finetune_scratch", "0.005")]
+    for k, (name, lr) in enumerate(stages):
+        run_id = client.create_run(exp, start_time=1_000 * (k + 1), run_name=name).info.run_id
+        params = {
+            "name": name,
+            "run_dir": f"/work/main/runs/demo/{name}",
+            "data.train": f"/work/main/data/demo/{'synthetic' if k == 0 else 'digits'}",
+            "model.init_from": "/work/main/runs/demo/pretrain/export" if k == 1 else "None",
+            "checkpoint.uri": f"s3://bucket/demo/{name}",
+            "tracking.uri": f"sqlite:///{root / name}.db",
+            "optim.lr": lr,
+            "objective.name": "mae" if k == 0 else "supervised_softmax",
+            **{key: value.format(k) for key, value in MANY.items()},
+        }
+        client.log_batch(run_id, params=[Param(key, value) for key, value in params.items()])
+        metrics = {"train/loss": 1.0 + k, "eval/top1": 0.5 + k / 10, "fewshot/10shot": 0.4 + k / 10}
+        client.log_batch(run_id, metrics=[Metric(key, v, 1, 1) for key, v in metrics.items()])
+        client.set_terminated(run_id)
+    return {"uri": uri}
+
+
+def test_default_table_fits_120_columns_without_locations(stages_store, capsys):
+    metrics = ["--metric", "eval/top1", "--metric", "fewshot/10shot", "--metric", "train/loss"]
+    rc, out, err = compare(stages_store, capsys, "--experiment", "stages", *metrics)
+    assert rc == 0
+    lines = out.strip().splitlines()
+    assert max(map(len, lines)) <= TABLE_WIDTH == 120, "\n".join(lines)
+    header, rows = parse_table(out)
+    # The run, its id, every chosen metric, and the params that differ in meaning and fit.
+    assert header[:2] == ["run", "id"] and header[-3:] == ["eval/top1", "fewshot/10shot", "train/loss"]
+    assert {"objective.name", "optim.lr"} <= set(header)
+    assert list(rows) == ["pretrain", "finetune", "finetune_scratch"]
+    assert rows["finetune"]["optim.lr"] == "0.005" and rows["finetune_scratch"]["train/loss"] == "3"
+    # Paths, URIs and the stage name repeated are no difference a reader needs.
+    for location in ("name", "run_dir", "data.train", "model.init_from", "checkpoint.uri", "tracking.uri"):
+        assert location not in header
+    # What was left out is named on stderr, with the way to see it.
+    assert max(map(len, err.splitlines())) <= TABLE_WIDTH, err
+    note = " ".join(err.split())
+    assert note.startswith("not shown (--wide shows every column):") and "run_dir" in note, note
+    assert "beyond 120 characters" in note and "optim.schedule_param_11" in note, note
+
+
+def test_fitted_cells_are_cut_and_width_is_adjustable(stages_store, capsys):
+    rc, out, _ = compare(stages_store, capsys, "--experiment", "stages", "--width", "80")
+    assert rc == 0 and max(map(len, out.strip().splitlines())) <= 80
+    header, rows = parse_table(out)
+    # Without --metric the params are offered room first; cells longer than 24 characters are cut.
+    assert header[2] == "objective.name" and rows["finetune"]["objective.name"] == "supervised_softmax"
+    long = "supervised_softmax_with_label_smoothing"
+    assert cut_cell(long) == long[: MAX_CELL - 3] + "..." and len(cut_cell(long)) == MAX_CELL
+
+
+def test_wide_shows_every_column_in_full(stages_store, capsys):
+    rc, out, err = compare(stages_store, capsys, "--experiment", "stages", "--wide")
+    assert rc == 0 and err == ""
+    header, rows = parse_table(out)
+    locations = ["name", "run_dir", "data.train", "model.init_from", "checkpoint.uri", "tracking.uri"]
+    assert set(header) >= {*locations, *MANY}
+    assert rows["finetune"]["run_dir"] == "/work/main/runs/demo/finetune"
+    assert rows["pretrain"]["tracking.uri"].endswith("/pretrain.db")
+    assert max(map(len, out.splitlines())) > TABLE_WIDTH
+    # csv is always wide; markdown leaves out the locations but is not cut to a width.
+    _, out, _ = compare(stages_store, capsys, "--experiment", "stages", "--format", "csv")
+    assert "run_dir" in out.splitlines()[0] and "optim.schedule_param_11" in out.splitlines()[0]
+    _, out, _ = compare(stages_store, capsys, "--experiment", "stages", "--format", "markdown")
+    assert "run_dir" not in out.splitlines()[0] and "optim.schedule_param_11" in out.splitlines()[0]
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("/work/runs/a", True), ("~/data", True), ("./data", True), ("../x", True), ("s3://b/k", True),
+     ("sqlite:///runs/a/mlflow.db", True), ("file:///tmp/x", True), ("http://mlflow:5000", True),
+     ("pipe:aws s3 cp s3://b/x -", True), ("vit_debug", False), ("0.001", False), ("[0.9, 0.95]", False),
+     ("None", False), ("cls", False)],
+)  # fmt: skip
+def test_path_like(value, expected):
+    assert path_like(value) is expected
 
 
 # ---------------------------------------------------------------- the real command
