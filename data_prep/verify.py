@@ -23,7 +23,7 @@ from PIL import Image
 
 from data_prep.images import STORED_FORMATS
 from data_prep.layout import INDEX, ShardInfo, read_manifest
-from data_prep.tario import file_sha256
+from data_prep.tario import REGULAR_FILE, file_sha256, tar_entries
 
 IMAGE_EXTS = set(STORED_FORMATS.values()) | {"jpeg"}
 _MEMBER = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")  # webdataset's base_plus_ext: key up to the first dot
@@ -123,18 +123,18 @@ def verify_shard(root: str, shard: ShardInfo, num_classes: int, multi_label: boo
         seen[key] = (hashlib.sha256(image).hexdigest(), labels)
 
     try:
-        with tarfile.open(path, "r:") as tar:
+        with open(path, "rb") as f:
             key, parts = None, {}
-            for member in tar:
-                m = _MEMBER.match(member.name)
-                if not member.isfile() or m is None:
-                    problems.append(Problem(shard.path, None, f"unexpected member {member.name!r}"))
+            for name, kind, data in tar_entries(f):
+                m = _MEMBER.match(name)
+                if kind not in REGULAR_FILE or m is None:
+                    problems.append(Problem(shard.path, None, f"unexpected member {name!r}"))
                     continue
                 if m.group(1) != key:
                     if key is not None:
                         close(key, parts)
                     key, parts = m.group(1), {}
-                parts[m.group(2)] = tar.extractfile(member).read()
+                parts[m.group(2)] = data
                 last = key
             if key is not None:
                 close(key, parts)
