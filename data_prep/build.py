@@ -27,11 +27,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
+from data_prep import atomic
 from data_prep.executors import run_shards
+from data_prep.index import write_index
 from data_prep.layout import (
     ERRORS,
     FORMAT_VERSION,
-    INDEX,
     MANIFEST,
     WORK,
     DatasetError,
@@ -199,25 +200,8 @@ def _remove_stale(root: Path, name: str, results: list[ShardResult]) -> None:
                     f.unlink()
 
 
-def _index_schema(multi_label: bool) -> pa.Schema:
-    label = pa.field("labels", pa.list_(pa.int64())) if multi_label else pa.field("label", pa.int64())
-    return pa.schema([
-        ("key", pa.string()), ("split", pa.string()), ("shard", pa.string()), label,
-        ("width", pa.int32()), ("height", pa.int32()), ("bytes", pa.int64()), ("sha256", pa.string()),
-        ("source", pa.string()),
-    ])  # fmt: skip
-
-
 def _write_index(root: Path, name: str, results: list[ShardResult], multi_label: bool) -> None:
-    schema = _index_schema(multi_label)
-    tmp = root / (INDEX + ".tmp")
-    with pq.ParquetWriter(tmp, schema) as writer:
-        for r in results:
-            rows = read_sidecar(root, name, r.split, r.index)["rows"]
-            if not multi_label:
-                rows["label"] = [labels[0] for labels in rows.pop("labels")]
-            writer.write_table(pa.table({f.name: rows[f.name] for f in schema}, schema=schema))
-    os.replace(tmp, root / INDEX)
+    write_index(root, (read_sidecar(root, name, r.split, r.index)["rows"] for r in results), multi_label)
 
 
 def _reason_kind(reason: str) -> str:
@@ -234,7 +218,6 @@ def _write_errors(root: Path, name: str, results: list[ShardResult], listing_log
         ("reason", pa.string()), ("shard", pa.string()),
     ])  # fmt: skip
     counts: dict[str, int] = {}
-    tmp = root / (ERRORS + ".tmp")
 
     def batches():
         batch: list[tuple] = []
@@ -249,13 +232,12 @@ def _write_errors(root: Path, name: str, results: list[ShardResult], listing_log
                 errs = read_sidecar(root, name, r.split, r.index)["errors"]
                 yield [(k, s, "decode", reason, r.path) for k, s, reason in errs]
 
-    with pq.ParquetWriter(tmp, schema) as writer:
+    with atomic.writing(root / ERRORS) as tmp, pq.ParquetWriter(tmp, schema) as writer:
         for batch in batches():
             for row in batch:
                 kind = _reason_kind(row[3])
                 counts[kind] = counts.get(kind, 0) + 1
             columns = list(zip(*batch)) if batch else [[] for _ in schema]
             writer.write_table(pa.table([list(c) for c in columns], schema=schema))
-    os.replace(tmp, root / ERRORS)
     listing_log.unlink(missing_ok=True)
     return counts

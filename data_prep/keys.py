@@ -29,7 +29,8 @@ def sanitize_key(key: str) -> str:
 
 
 def split_for(key: str, val_fraction: float, seed: int = 0) -> str:
-    """Deterministic train/val split by a hash of the key; seed 0 matches `synthetic.split_of`."""
+    """Deterministic train/val split by a hash of the key: the one split hash (`vitpipe shard` and
+    `synthetic_samples`), stable across runs, machines and worker counts; `seed` salts it."""
     salted = key if seed == 0 else f"{seed}/{key}"
     return "val" if (zlib.crc32(salted.encode()) % 10_000) < val_fraction * 10_000 else "train"
 

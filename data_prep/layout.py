@@ -1,7 +1,7 @@
 """The dataset layout, defined once: every writer produces it and the loader reads it through here.
 
 OUT/manifest.json            format version, class names, per-shard counts and sha256, totals per split
-OUT/index.parquet            one row per sample: key, split, shard, labels, width, height, bytes, sha256
+OUT/index.parquet            one row per sample: the INDEX_COLUMNS below (schema: data_prep/index.py)
 OUT/errors.parquet           one row per rejected input: key, source, stage, reason (`vitpipe shard` only)
 OUT/{split}/{name}-{i:06d}.tar   plain WebDataset tar: KEY.jpg|png|webp + KEY.cls (single) or KEY.json (multi)
 OUT/.work/{split}/{name}-{i:06d}.json   per-shard sidecar: the plan's fingerprint, size, sha256, index rows;
@@ -18,11 +18,17 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from data_prep import atomic
+
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 INDEX = "index.parquet"
 ERRORS = "errors.parquet"
 WORK = ".work"  # sidecars and scratch files of `vitpipe shard`; without it a re-run rewrites every shard
+# index.parquet's columns, in order: one row per sample. A single-label dataset stores `label` (one int) in
+# place of `labels` (a list); `bytes` and `sha256` are the stored image's; `source` is what the sample was
+# made from, as a person reads it (a path, "synthetic:17"; "" where the writer was given bytes only).
+INDEX_COLUMNS = ("key", "split", "shard", "labels", "width", "height", "bytes", "sha256", "source")
 
 
 class DatasetError(ValueError):
@@ -82,31 +88,8 @@ class Manifest:
 def write_manifest(root: Path, manifest: Manifest) -> Path:
     """Atomic: a reader sees the old manifest or the new one, never half of one."""
     path = Path(root) / MANIFEST
-    write_atomic(path, manifest.to_json().encode())
+    atomic.write_bytes(path, manifest.to_json().encode())
     return path
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write `path.tmp`, fsync, rename: after a crash the file is the old one or the new one, whole."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename inside `path` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_manifest(root: str | os.PathLike) -> Manifest:

@@ -1,30 +1,28 @@
 """One planned shard -> one complete tar and its sidecar: the only code a shard worker runs, the same
 in this process, in a worker process (`--workers N`) and in a Ray task (`--ray`).
 
-The tar is streamed to `NAME.tar.tmp` one sample at a time (memory: one image), hashed as it is
-written, fsynced and renamed; the sidecar (`.work/SPLIT/NAME.json`: fingerprint, size, sha256, index
-rows, rejected inputs) is written after the rename. A shard whose sidecar matches the task's
+The tar is written by `shard_file.write_shard` (streamed, hashed, fsynced, renamed); the sidecar
+(`.work/SPLIT/NAME.json`: fingerprint, size, sha256, index rows, rejected inputs) is written after
+the rename. A shard whose sidecar matches the task's
 fingerprint and whose file still has the recorded size and sha256 is complete: a re-run skips it.
 Imports stay light (no pyarrow, no Ray): a spawned worker starts in well under a second.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import tarfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from data_prep import atomic
 from data_prep.images import Rejected
-from data_prep.layout import fsync_dir, sidecar_path, write_atomic
+from data_prep.layout import sidecar_path
 from data_prep.plan import ShardTask
+from data_prep.shard_file import Sample, write_shard
 from data_prep.sources import Loader
-from data_prep.tario import TAR_FORMAT, HashingWriter, add_member, file_sha256
-
-INDEX_COLUMNS = ("key", "split", "shard", "labels", "width", "height", "bytes", "sha256", "source")
+from data_prep.tario import file_sha256
 
 
 @dataclass(frozen=True)
@@ -84,49 +82,31 @@ def write_planned_shard(task: ShardTask, job: ShardJob) -> ShardResult:
         return done
     t0 = time.perf_counter()
     root = Path(job.root)
-    final = root / task.path
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(final.name + ".tmp")
-    rows: dict[str, list] = {c: [] for c in INDEX_COLUMNS}
     errors: list[list[str]] = []
-    with open(tmp, "wb") as f:
-        out = HashingWriter(f)
-        with tarfile.open(fileobj=out, mode="w", format=TAR_FORMAT) as tar:
-            for item in task.items:
-                try:
-                    img = job.loader.load(item, job.resize_max, job.quality)
-                except (Rejected, OSError) as exc:
-                    errors.append([item.key, item.source, str(exc)])
-                    continue
-                labels = list(item.labels if img.labels is None else img.labels)
-                add_member(tar, f"{item.key}.{img.ext}", img.data)
-                if job.multi_label:
-                    add_member(tar, f"{item.key}.json", json.dumps({"labels": labels}).encode())
-                else:
-                    add_member(tar, f"{item.key}.cls", str(labels[0]).encode())
-                row = (item.key, task.split, task.path, labels, img.width, img.height,
-                       len(img.data), hashlib.sha256(img.data).hexdigest(), item.source)  # fmt: skip
-                for c, v in zip(INDEX_COLUMNS, row):
-                    rows[c].append(v)
-        out.sync()
-    count, size, digest = len(rows["key"]), out.size, out.sha256.hexdigest()
-    if count:
-        os.replace(tmp, final)  # only now does the shard exist under its name
-        fsync_dir(final.parent)
-    else:  # every input rejected: no shard file, the sidecar still records the shard as done
-        tmp.unlink()
-        final.unlink(missing_ok=True)
-        size, digest = 0, ""
+
+    def samples() -> Iterator[Sample]:  # loaded one at a time, as the tar is written
+        for item in task.items:
+            try:
+                img = job.loader.load(item, job.resize_max, job.quality)
+            except (Rejected, OSError) as exc:
+                errors.append([item.key, item.source, str(exc)])
+                continue
+            labels = list(item.labels if img.labels is None else img.labels)
+            yield Sample(item.key, img.data, img.ext, labels, img.width, img.height, task.split, item.source)
+
+    # Every input rejected: no shard file, the sidecar still records the shard as done.
+    shard = write_shard(root / task.path, task.path, samples(), job.multi_label)
     side = {
         "fingerprint": task.fingerprint, "split": task.split, "index": task.index, "path": task.path,
-        "count": count, "bytes": size, "sha256": digest, "planned_bytes": task.planned_bytes,
-        "rows": rows, "errors": errors,
+        "count": shard.count, "bytes": shard.bytes, "sha256": shard.sha256,
+        "planned_bytes": task.planned_bytes,
+        "rows": shard.rows, "errors": errors,
     }  # fmt: skip
     side_path = sidecar_path(root, task.split, job.name, task.index)
     side_path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(side_path, json.dumps(side).encode())
+    atomic.write_bytes(side_path, json.dumps(side).encode())
     return ShardResult(
-        task.split, task.index, task.path, count, size, digest, len(task.items), len(errors),
+        task.split, task.index, task.path, shard.count, shard.bytes, shard.sha256, len(task.items), len(errors),
         resumed=False, seconds=time.perf_counter() - t0,
     )  # fmt: skip
 

@@ -8,13 +8,13 @@ in (seed, index): image i is the same whatever else is generated.
 from __future__ import annotations
 
 import io
-import zlib
 from collections.abc import Iterator
 
 import numpy as np
 from PIL import Image, ImageDraw
 
-from data_prep.writer import Sample
+from data_prep.keys import split_for
+from data_prep.shard_file import Sample
 
 SHAPES = ("ellipse", "rectangle", "triangle", "cross")
 PALETTE = (
@@ -43,11 +43,6 @@ def _draw(draw: ImageDraw.ImageDraw, shape: str, box: tuple[int, int, int, int],
         w, h = (x1 - x0) // 3, (y1 - y0) // 3
         draw.rectangle((x0 + w, y0, x1 - w, y1), fill=colour)
         draw.rectangle((x0, y0 + h, x1, y1 - h), fill=colour)
-
-
-def split_of(key: str, val_fraction: float) -> str:
-    """Deterministic split by a hash of the key (stable across runs, machines and worker counts)."""
-    return "val" if (zlib.crc32(key.encode()) % 10_000) < val_fraction * 10_000 else "train"
 
 
 def _draw_labels(rng: np.random.Generator, num_classes: int, labels_per_image: float) -> list[int]:
@@ -90,4 +85,5 @@ def synthetic_samples(
         buf = io.BytesIO()
         img.save(buf, format="JPEG", quality=quality)
         key = synthetic_key(seed, i)
-        yield Sample(key, buf.getvalue(), "jpg", labels, width, height, split_of(key, val_fraction))
+        split = split_for(key, val_fraction)  # the same split `vitpipe shard synthetic` gives
+        yield Sample(key, buf.getvalue(), "jpg", labels, width, height, split, f"synthetic:{i}")

@@ -52,7 +52,7 @@ class Source(Protocol):
     classes: list[str]
     multi_label: bool
     mix: bool  # True: shards hold items in a seeded hash order (classes mixed); False: listing order
-    split_salt: int  # salt of the train/val hash (0 keeps `synthetic.split_of`)
+    split_salt: int  # salt of the train/val hash (`keys.split_for`; 0: unsalted)
 
     def describe(self) -> dict:
         """Parameters that change stored bytes: part of every shard's fingerprint."""

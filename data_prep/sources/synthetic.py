@@ -36,7 +36,7 @@ class SyntheticSource:
     where = "synthetic"
     multi_label = True
     mix = False  # already random; listing order keeps shard i = images [i*count, (i+1)*count)
-    split_salt = 0  # keys already hold the seed; 0 matches `synthetic.split_of`
+    split_salt = 0  # keys already hold the seed; 0 gives the split `synthetic_samples` gives
 
     def __init__(
         self,

@@ -1,0 +1,70 @@
+"""One shard file: samples in, a complete WebDataset tar and its index rows out. The only code that
+writes a shard: `vitpipe shard`'s workers (shard_worker.py) and the in-process `writer.write_dataset`.
+
+The tar is streamed to `NAME.tar.tmp` one sample at a time (memory: one image), hashed as it is
+written, fsynced and renamed only once complete, so a killed run never leaves a partial shard that
+looks complete. A shard that gets no sample leaves no file. Imports stay light (no pyarrow).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from data_prep import atomic
+from data_prep.layout import INDEX_COLUMNS
+from data_prep.tario import HashingWriter, add_member, open_writer
+
+
+@dataclass
+class Sample:
+    key: str
+    image: bytes  # encoded image, stored as is
+    ext: str  # "jpg", "png" or "webp"
+    labels: list[int]
+    width: int
+    height: int
+    split: str = "train"
+    source: str = ""  # what it was made from (a path, "synthetic:17"), for index.parquet
+
+
+@dataclass
+class WrittenShard:
+    count: int  # samples written
+    bytes: int  # 0 when no sample was written (no file)
+    sha256: str  # "" when no sample was written
+    rows: dict[str, list]  # its samples' index.parquet rows, by column (layout.INDEX_COLUMNS)
+
+
+def write_shard(path: Path, shard: str, samples: Iterable[Sample], multi_label: bool) -> WrittenShard:
+    """Write `samples` as the tar at `path` (`shard`: that path relative to the dataset root, as the
+    index names it): `KEY.EXT` with the image, then `KEY.json` {"labels": [...]} or `KEY.cls`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = atomic.tmp_path(path)  # renamed only once whole (atomic.writing's steps, with the hash on the way)
+    rows: dict[str, list] = {c: [] for c in INDEX_COLUMNS}
+    with open(tmp, "wb") as f:
+        out = HashingWriter(f)
+        with open_writer(out) as tar:
+            for s in samples:
+                add_member(tar, f"{s.key}.{s.ext}", s.image)
+                if multi_label:
+                    add_member(tar, f"{s.key}.json", json.dumps({"labels": s.labels}).encode())
+                else:
+                    add_member(tar, f"{s.key}.cls", str(s.labels[0]).encode())
+                sha256 = hashlib.sha256(s.image).hexdigest()
+                row = (s.key, s.split, shard, s.labels, s.width, s.height, len(s.image), sha256, s.source)
+                for c, v in zip(INDEX_COLUMNS, row):
+                    rows[c].append(v)
+        out.sync()
+    count = len(rows["key"])
+    if not count:  # nothing to store: no shard file
+        tmp.unlink()
+        path.unlink(missing_ok=True)
+        return WrittenShard(0, 0, "", rows)
+    os.replace(tmp, path)  # only now does the shard exist under its name
+    atomic.fsync_dir(path.parent)
+    return WrittenShard(count, out.size, out.sha256.hexdigest(), rows)
