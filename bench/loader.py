@@ -44,9 +44,12 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from data_prep.shard_file import Sample  # noqa: E402
 from data_prep.synthetic import class_names, synthetic_samples  # noqa: E402
-from data_prep.writer import Sample, write_dataset  # noqa: E402
-from pipeline.data.loader import dataset_info, make_train_loader  # noqa: E402
+from data_prep.writer import write_dataset  # noqa: E402
+from pipeline.config import DataConfig  # noqa: E402
+from pipeline.data.loader import make_train_loader  # noqa: E402
+from pipeline.data.sources import dataset_info  # noqa: E402
 
 IMG, CLASSES, SHARD_COUNT = 224, 100, 128
 MEAN = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1)
@@ -60,7 +63,7 @@ def reencoded(samples: Iterator[Sample], longer_side: int, quality: int = 90) ->
         img.thumbnail((longer_side, longer_side), Image.BICUBIC)
         buf = io.BytesIO()
         img.save(buf, format="JPEG", quality=quality)
-        yield Sample(s.key, buf.getvalue(), "jpg", s.labels, img.width, img.height, s.split)
+        yield Sample(s.key, buf.getvalue(), "jpg", s.labels, img.width, img.height, s.split, s.source)
 
 
 def write_sets(tmp: Path, num: int) -> dict[str, Path]:
@@ -110,10 +113,8 @@ def run_plain(root: Path, num: int) -> int:
 
 
 def run_ours(root: Path, num: int, batch_size: int) -> int:
-    loader, _ = make_train_loader(
-        root, rank=0, world_size=1, batch_size=batch_size, img_size=IMG, seed=0, num_workers=0,
-        shuffle_buffer=256, min_scale=0.08, epochs=1,
-    )  # fmt: skip
+    data = DataConfig(train=str(root), batch_size=batch_size, num_workers=0, shuffle_buffer=256, min_scale=0.08)
+    loader = make_train_loader(dataset_info(root), data, rank=0, world_size=1, img_size=IMG, seed=0, epochs=1)
     n = 0
     for batch in loader:
         assert batch["image"].shape == (batch_size, 3, IMG, IMG)

@@ -9,7 +9,8 @@ import webdataset as wds
 from data_prep.layout import DatasetError, read_manifest
 from data_prep.synthetic import class_names, synthetic_samples
 from data_prep.writer import write_dataset
-from pipeline.data.loader import ShardStream, dataset_info
+from pipeline.data.sources import dataset_info
+from pipeline.data.train_stream import ShardStream
 
 pytestmark = pytest.mark.unit
 

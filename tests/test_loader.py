@@ -22,14 +22,11 @@ from PIL import Image
 from data_prep.layout import DatasetError, read_manifest
 from data_prep.synthetic import class_names, render, synthetic_samples
 from data_prep.writer import write_dataset
+from pipeline.config import DataConfig
 from pipeline.data import transforms
-from pipeline.data.loader import (
-    ShardStream,
-    dataset_info,
-    epoch_batches,
-    make_eval_loader,
-    make_train_loader,
-)
+from pipeline.data.loader import make_eval_loader, make_train_loader
+from pipeline.data.sources import dataset_info, epoch_batches
+from pipeline.data.train_stream import ShardStream
 
 pytestmark = pytest.mark.unit
 IMG = 16
@@ -57,9 +54,26 @@ def uneven(tmp_path_factory):
     return root, write(root, 90, 7)
 
 
-def train_loader(root, **kw):
-    args = dict(rank=0, world_size=1, batch_size=4, img_size=IMG, seed=0, num_workers=0, shuffle_buffer=16)
-    return make_train_loader(root, **{**args, **kw})[0]
+def data_config(**kw) -> DataConfig:
+    """The data section the tests run with; the factories do not read `train` (`info` names the shards)."""
+    defaults = {"train": "-", "batch_size": 4, "num_workers": 0, "shuffle_buffer": 16, "min_scale": 0.08}
+    return DataConfig(**{**defaults, **kw})
+
+
+def train_loader(source, *, num_classes=None, multi_label=None, start_batch=0, epochs=None, **kw):
+    """A train loader over `source`; kw: rank, world_size, seed, or any DataConfig field."""
+    info = dataset_info(source, "train", num_classes=num_classes, multi_label=multi_label)
+    rank, world_size, seed = kw.pop("rank", 0), kw.pop("world_size", 1), kw.pop("seed", 0)
+    return make_train_loader(
+        info,
+        data_config(**kw),
+        rank=rank,
+        world_size=world_size,
+        img_size=IMG,
+        seed=seed,
+        start_batch=start_batch,
+        epochs=epochs,
+    )
 
 
 def take(loader, n: int | None = None) -> list[dict]:
@@ -116,10 +130,15 @@ def _uneven_rank(rank: int, root: str, store: str, out: str) -> None:
     dist.init_process_group(
         "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
     )
-    loader, _ = make_train_loader(
-        root, rank=rank, world_size=2, batch_size=4, img_size=IMG, seed=0, num_workers=2,
-        shuffle_buffer=16, min_scale=0.08, epochs=2,
-    )  # fmt: skip
+    loader = make_train_loader(
+        dataset_info(root),
+        data_config(num_workers=2),
+        rank=rank,
+        world_size=2,
+        img_size=IMG,
+        seed=0,
+        epochs=2,
+    )
     steps, keys = 0, []
     for batch in loader:  # all-reduce every step: a rank that ran out early would hang the other
         total = torch.tensor([float(batch["image"].shape[0])])
@@ -247,8 +266,13 @@ def test_eval_every_sample_once_equal_batches_padding_masked(tmp_path, max_count
     for _ in range(2):
         per_rank = []
         for rank in range(2):
-            loader, _ = make_eval_loader(
-                tmp_path, "train", rank=rank, world_size=2, batch_size=4, img_size=IMG, num_workers=2
+            loader = make_eval_loader(
+                dataset_info(tmp_path, "train"),
+                data_config(num_workers=2),
+                rank=rank,
+                world_size=2,
+                batch_size=4,
+                img_size=IMG,
             )
             assert loader.dataset.by_shard == (assignment == "shard")
             per_rank.append(take(loader))
@@ -279,13 +303,13 @@ def _smooth(width: int, height: int) -> Image.Image:
     return Image.fromarray(((rgb + 2) * 60).astype(np.uint8))
 
 
-def test_eval_transform_is_resize_and_centre_crop():
+def test_eval_tensor_is_resize_and_centre_crop():
     # Shorter side 60 -> round(32 / 0.875) = 37: the kept box is the centred 60 * 32 / 37 square.
     side = 60 * 32 / 37
     box = transforms.center_crop_box(80, 60, 32)
     assert box == pytest.approx(((80 - side) / 2, (60 - side) / 2, (80 + side) / 2, (60 + side) / 2))
     img = _smooth(80, 60)
-    out = transforms.eval_transform(img, 32)
+    out = transforms.eval_tensor(img, 32).numpy()
     ref = np.asarray(img.resize((32, 32), Image.BILINEAR, box=box)).transpose(2, 0, 1)  # PIL, same box
     assert out.shape == (3, 32, 32) and np.abs(out.astype(int) - ref.astype(int)).mean() < 1
 
@@ -339,7 +363,7 @@ def test_rand_augment_changes_pixels_deterministically_per_rng():
     before = np.asarray(img).copy()
 
     def run(seed: int, aug=(2, 9)) -> np.ndarray:
-        return transforms.train_transform(img, 24, np.random.default_rng(seed), randaugment=aug)
+        return transforms.train_tensor(img, 24, np.random.default_rng(seed), randaugment=aug).numpy()
 
     assert np.array_equal(run(0), run(0)) and not np.array_equal(run(0), run(1))
     assert not np.array_equal(run(0), run(0, aug=None))
@@ -361,8 +385,8 @@ def test_jpeg_draft_only_where_the_crop_keeps_the_target_resolution():
     assert img.size == (480, 360) and box == (0, 0, 480, 360)
     img, box = transforms.draft_for_box(_jpeg(960, 720), (100, 100, 400, 340), 224)  # 300 px crop: full
     assert img.size == (960, 720) and box == (100, 100, 400, 340)
-    out = transforms.train_transform(_jpeg(960, 720), 224, np.random.default_rng(0), min_scale=0.9)
+    out = transforms.train_tensor(_jpeg(960, 720), 224, np.random.default_rng(0), min_scale=0.9).numpy()
     ref_img = _jpeg(960, 720)
     ref_img.load()  # decoded in full: no draft possible any more
-    ref = transforms.train_transform(ref_img, 224, np.random.default_rng(0), min_scale=0.9)
+    ref = transforms.train_tensor(ref_img, 224, np.random.default_rng(0), min_scale=0.9).numpy()
     assert out.shape == ref.shape == (3, 224, 224) and np.abs(out.astype(int) - ref.astype(int)).mean() < 4

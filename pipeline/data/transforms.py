@@ -1,8 +1,8 @@
-"""Pure image transforms: functions of (image, size, rng) that return uint8 arrays.
+"""Pure image transforms: functions of (image, size, rng) that return uint8 tensors.
 
     box = random_resized_crop_box(img.width, img.height, rng)     # from the JPEG header, no decode yet
-    arr = train_transform(img, 224, rng, randaugment=(2, 9))      # uint8 [3, 224, 224]
-    arr = eval_transform(img, 224)                                # resize + centre crop, uint8 [3, 224, 224]
+    x = train_tensor(img, 224, rng, randaugment=(2, 9))           # uint8 [3, 224, 224]
+    x = eval_tensor(img, 224)                                     # resize + centre crop, uint8 [3, 224, 224]
 
 Batches stay uint8 until they reach the training device, where `normalize` turns them into
 floats: four times less host memory and copy bandwidth than float batches.
@@ -10,8 +10,8 @@ floats: four times less host memory and copy bandwidth than float batches.
 The hot path decodes once and resamples once: the crop box is drawn from the header size, the
 JPEG is decoded at the smallest DCT scale that still covers the crop at the target size
 (`draft_for_box`), and one antialiased uint8 resize takes the crop to the target size
-(`resized_crop`). The `*_tensor` variants return uint8 [3, size, size] tensors that the loader
-copies straight into its batch; `*_transform` return the same as numpy arrays.
+(`resized_crop`). `train_tensor` and `eval_tensor` return uint8 [3, size, size] tensors that the
+loader copies straight into its batch.
 """
 
 from __future__ import annotations
@@ -220,27 +220,11 @@ def train_tensor(
     return out.flip(-1) if hflip and rng.random() < 0.5 else out
 
 
-def train_transform(
-    img: Image.Image,
-    size: int,
-    rng: np.random.Generator,
-    min_scale: float = 0.08,
-    randaugment: tuple[int, float] | None = None,
-) -> np.ndarray:
-    """RandomResizedCrop (+ RandAugment (num_ops, magnitude)) + horizontal flip -> uint8 [3, size, size]."""
-    return np.ascontiguousarray(train_tensor(img, size, rng, min_scale, randaugment).numpy())
-
-
 def eval_tensor(img: Image.Image, size: int, crop_fraction: float = 0.875) -> torch.Tensor:
     """Resize the shorter side to size / crop_fraction and centre crop, in one resampling pass."""
     box = center_crop_box(img.width, img.height, size, crop_fraction)
     img, box = draft_for_box(img, box, size)
     return resized_crop(img, box, size)
-
-
-def eval_transform(img: Image.Image, size: int, crop_fraction: float = 0.875) -> np.ndarray:
-    """Resize the shorter side to size / crop_fraction, centre crop -> uint8 [3, size, size]."""
-    return np.ascontiguousarray(eval_tensor(img, size, crop_fraction).numpy())
 
 
 def normalize(images: torch.Tensor, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> torch.Tensor:

@@ -31,7 +31,8 @@ from torch.utils.data import DataLoader
 
 from data_prep import atomic
 from pipeline.config import EvalConfig, StageConfig
-from pipeline.data.loader import dataset_info, make_eval_loader
+from pipeline.data.loader import make_eval_loader
+from pipeline.data.sources import dataset_info
 from pipeline.data.transforms import normalize
 from pipeline.eval.fewshot import fewshot_ridge, linear_probe
 from pipeline.eval.figures import model_figures, source_loss_curve, source_stage_dir
@@ -228,14 +229,15 @@ def evaluate(cfg: StageConfig, report: Callable[[dict], None] | None = None,
 
         # -- passes: eval split in full; train split up to the cap, in whole batches on every rank
         linear = bool(e.fewshot_shots) or e.linear_probe
-        loader_args = dict(rank=ctx.rank, world_size=ctx.world_size, batch_size=batch_size,
-                           img_size=cfg.model.img_size, num_workers=cfg.data.num_workers,
-                           max_skip_fraction=cfg.data.max_skip_fraction, **labels)  # fmt: skip
-        eval_loader, _ = make_eval_loader(cfg.data.train, e.eval_split, **loader_args)
+        loader_args = dict(
+            rank=ctx.rank, world_size=ctx.world_size, batch_size=batch_size, img_size=cfg.model.img_size
+        )
+        eval_loader = make_eval_loader(info, cfg.data, **loader_args)
         test = embed_split(model, eval_loader, ctx.device, with_logits=e.classification, amp_dtype=amp)
         train = None
         if linear:
-            train_loader, _ = make_eval_loader(cfg.data.train, e.train_split, **loader_args)
+            train_info = dataset_info(cfg.data.train, e.train_split, **labels)
+            train_loader = make_eval_loader(train_info, cfg.data, **loader_args)
             cap = e.fewshot_max_train
             max_batches = math.ceil(cap / (ctx.world_size * batch_size)) if cap else None
             train = embed_split(model, train_loader, ctx.device, with_logits=False, max_batches=max_batches,

@@ -5,7 +5,7 @@ loop (step, log, checkpoint, stop requests), final checkpoint and export.
 
 Exactness: a stage stopped after step N and resumed gives the same per-step losses and final weights
 as an uninterrupted one (CPU, fp32): the checkpoint holds model, optimizer, scheduler, step, every
-rank's RNG states, and the data stream continues at batch N x grad_accum (see pipeline.data.loader).
+rank's RNG states, and the data stream continues at batch N x grad_accum (see pipeline.data.train_stream).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from pipeline.config import StageConfig
-from pipeline.data.loader import dataset_info, make_train_loader
+from pipeline.data.loader import make_train_loader
+from pipeline.data.sources import dataset_info
 from pipeline.models import create_model
 from pipeline.models.flops import flops_per_image
 from pipeline.objectives import build_objective
@@ -138,14 +139,15 @@ def train(cfg: StageConfig, report: Callable[[dict], None] | None = None,
     global_batch = cfg.data.batch_size * accum * ctx.world_size
 
     # -- input
-    loader, _ = make_train_loader(
-        cfg.data.train, rank=ctx.rank, world_size=ctx.world_size, batch_size=cfg.data.batch_size,
-        img_size=cfg.model.img_size, seed=cfg.seed, num_workers=cfg.data.num_workers,
-        shuffle_buffer=cfg.data.shuffle_buffer, min_scale=cfg.data.min_scale, start_batch=start * accum,
-        resampled=cfg.data.resampled, randaugment=cfg.data.randaugment, hflip=cfg.data.hflip,
-        max_skip_fraction=cfg.data.max_skip_fraction, num_classes=cfg.data.num_classes,
-        multi_label=cfg.data.multi_label,
-    )  # fmt: skip
+    loader = make_train_loader(
+        info,
+        cfg.data,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        img_size=cfg.model.img_size,
+        seed=cfg.seed,
+        start_batch=start * accum,
+    )
 
     # -- tracking (rank 0 only): a resumed stage continues its MLflow run
     derived = {

@@ -1,0 +1,122 @@
+"""Where a dataset's shards are and how many samples each holds: `DatasetInfo` from a folder or URLs.
+
+    info = dataset_info("data/smoke", "train")          # a folder written by `vitpipe shard`
+    info = dataset_info("/data/jft/shard-{000000..099999}.tar", num_classes=18291, multi_label=True)
+
+Inputs: a dataset folder (exact per-shard counts from its manifest), or shard URLs: a brace pattern
+(`/data/shard-{000000..000099}.tar`), a list, or anything webdataset opens (`pipe:aws s3 cp
+s3://b/shard-000001.tar -`, `https://...`). Local URLs inside a dataset folder still get the
+manifest's counts; other URLs need `num_classes=` and `multi_label=`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from webdataset.shardlists import expand_urls as wds_expand_urls
+
+from data_prep.layout import DatasetError, read_manifest
+
+TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+
+Source = str | os.PathLike | Sequence[str]
+
+
+@dataclass
+class DatasetInfo:
+    urls: list[str]
+    num_classes: int
+    multi_label: bool
+    num_samples: int | None  # exact, from the manifest; None for URLs without one
+    shard_counts: list[int] | None = None  # per URL, from the manifest
+
+    def epoch_batches(self, world_size: int, batch_size: int, num_workers: int = 1) -> int | None:
+        return epoch_batches(self, world_size, batch_size, num_workers)
+
+
+def epoch_batches(info: DatasetInfo, world_size: int, batch_size: int, num_workers: int = 1) -> int | None:
+    """Batches every rank yields per epoch in epoch mode: a bound that holds for every epoch's deal.
+
+    Each epoch deals the shards over world_size x workers slots in a new order, so a slot gets at
+    least floor(shards / slots) shards, at worst the smallest ones. Every worker yields that many
+    samples // batch_size batches per epoch; a rank yields its workers' sum. None without counts.
+    """
+    if info.shard_counts is None:
+        return None
+    workers = max(1, num_workers)
+    per_slot = len(info.shard_counts) // (world_size * workers)
+    return workers * (sum(sorted(info.shard_counts)[:per_slot]) // batch_size)
+
+
+def _is_url_source(source: Source) -> bool:
+    if not isinstance(source, (str, os.PathLike)):
+        return True  # a list of URLs
+    s = os.fspath(source)
+    return "{" in s or "::" in s or "://" in s or s.startswith("pipe:") or s.endswith(TAR_SUFFIXES)
+
+
+def expand_urls(source: str | Sequence[str]) -> list[str]:
+    """Brace patterns (`shard-{000000..000099}.tar`) and '::'-joined lists -> one URL per shard."""
+    specs = [source] if isinstance(source, (str, os.PathLike)) else list(source)
+    return [url for spec in specs for url in wds_expand_urls(os.fspath(spec))]
+
+
+def _local_manifest(urls: list[str]) -> tuple[list[str], bool, list[int]] | None:
+    """Classes, multi_label and per-URL counts when every URL is a shard of one local dataset folder."""
+    if any("://" in u or u.startswith("pipe:") for u in urls):
+        return None
+    paths = [Path(u.removeprefix("file:")).resolve() for u in urls]
+    root = paths[0].parent.parent  # ROOT/{split}/{name}-{i:06d}.tar
+    try:
+        manifest = read_manifest(root)
+    except DatasetError:
+        return None
+    by_path = {(root / s.path).resolve(): s.count for s in manifest.shards}
+    counts = [by_path.get(p) for p in paths]
+    if None in counts:
+        return None
+    return manifest.classes, manifest.multi_label, counts
+
+
+def _check_given(name: str, given, found, where: str) -> None:
+    if given is not None and given != found:
+        raise DatasetError(f"{where}: {name}={given!r} was given, but the manifest says {found!r}")
+
+
+def dataset_info(
+    source: Source, split: str = "train", *, num_classes: int | None = None, multi_label: bool | None = None
+) -> DatasetInfo:
+    """Shard URLs and, where a manifest exists, exact counts: from a dataset folder or from URLs."""
+    if not _is_url_source(source):
+        root = Path(source)
+        manifest = read_manifest(root)
+        shards = manifest.split_shards(split)
+        if not shards:
+            raise DatasetError(f"{root}: the manifest lists no shards for split {split!r}")
+        _check_given("num_classes", num_classes, len(manifest.classes), str(root))
+        _check_given("multi_label", multi_label, manifest.multi_label, str(root))
+        return DatasetInfo(
+            urls=[str(root / s.path) for s in shards],
+            num_classes=len(manifest.classes),
+            multi_label=manifest.multi_label,
+            num_samples=sum(s.count for s in shards),
+            shard_counts=[s.count for s in shards],
+        )
+    urls = expand_urls(source)
+    if not urls:
+        raise DatasetError(f"{source!r}: expands to no shard URLs")
+    found = _local_manifest(urls)
+    if found is not None:
+        classes, found_multi, counts = found
+        _check_given("num_classes", num_classes, len(classes), urls[0])
+        _check_given("multi_label", multi_label, found_multi, urls[0])
+        return DatasetInfo(urls, len(classes), found_multi, sum(counts), counts)
+    if num_classes is None or multi_label is None:
+        raise DatasetError(
+            f"{urls[0]} (and {len(urls) - 1} more URLs): no manifest.json beside these shards, so pass "
+            f"num_classes= and multi_label= (got num_classes={num_classes}, multi_label={multi_label})"
+        )
+    return DatasetInfo(urls, num_classes, multi_label, None, None)

@@ -1,0 +1,250 @@
+"""The training stream of one rank: endless (or `epochs`-long), step-driven, resumable exactly.
+
+Two modes:
+- epoch mode (default): epoch e deals every shard once over all (rank, worker) slots in an order
+  drawn from (seed, e). With exact counts, every worker yields exactly `epoch_batches / workers`
+  batches per epoch and drops the rest, so every rank yields `epoch_batches` per epoch (the
+  guaranteed minimum over every epoch's deal, `sources.epoch_batches()`), epochs line up with steps
+  (epoch = batch // `loader.dataset.epoch_batches`) and `epochs=N` ends every rank after the
+  same N x epoch_batches batches. Needs at least ranks x workers shards. Without counts (bare
+  URLs) epochs flow into one another and `epoch_batches` is None.
+- resampled mode (`resampled=True`, JFT scale): no epochs; each worker draws shards with
+  replacement from an rng seeded by (seed, rank, worker), in rounds of shards/slots shards.
+The in-worker shuffle of each epoch or round draws from (seed, epoch or round, rank, worker) and
+each sample's augmentation from that plus its index, so the same seed gives the same batches.
+
+Resume: `start_batch=M` continues the rank's stream exactly where batch M-1 ended.
+1. Who made what. The DataLoader takes batches from its W workers round-robin, so batch b came from
+   worker b % W, and worker w made ceil((M - w) / W) of the first M batches
+   (`batches_done_by_worker`). A resumed DataLoader starts asking at process 0 again, so process k
+   plays worker (k + M) % W: the stream's batch M comes from process 0.
+2. Where that worker was. Call its batches done D.
+   - Epoch mode with counts: every epoch the worker yields exactly Q = epoch_batches / W batches
+     (its quota), so it starts at epoch D // Q without reading anything, with D % Q batches of that
+     epoch made: it skips (D % Q) x batch_size samples of it.
+   - Resampled mode with counts: the rounds' shard draws and the manifest's counts say how many
+     samples each round holds, so whole rounds are skipped unread; the skip count carries the rest.
+   - Without counts: the worker reads (never decodes) D x batch_size samples from the start.
+3. Why that is exact. Skipped samples still pass through the shuffle buffer, so the shuffle's draws
+   replay; the augmentation generator is per sample (`seeds.sample_rngs`), so nothing is replayed
+   for it. Samples that fail to decode are skipped, so after corrupt data in the skipped part the
+   position can be off by that many samples.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import IterableDataset
+
+from data_prep.layout import DatasetError
+from pipeline.data import seeds
+from pipeline.data.batching import BatchBuilder, decode, loader_worker
+from pipeline.data.shard_reader import SkipCounter, read_shards
+from pipeline.data.sources import DatasetInfo, epoch_batches
+from pipeline.data.transforms import train_tensor
+
+log = logging.getLogger(__name__)
+
+
+def _shuffle(samples: Iterator[dict], bufsize: int, rng: np.random.Generator) -> Iterator[dict]:
+    """Reservoir-style shuffle buffer with an explicit generator (no global RNG)."""
+    if bufsize <= 1:
+        yield from samples
+        return
+    buf: list[dict] = []
+    for s in samples:
+        if len(buf) < bufsize:
+            buf.append(s)
+            continue
+        i = int(rng.integers(len(buf)))
+        buf[i], s = s, buf[i]
+        yield s
+    rng.shuffle(buf)
+    yield from buf
+
+
+@dataclass(frozen=True)
+class _Round:
+    """One epoch (epoch mode) or one round of drawn shards (resampled mode) of one worker."""
+
+    index: int
+    urls: list[str]
+    shuffle_key: tuple[int, ...]
+    augment_key: tuple[int, ...]  # keys the per-sample augmentation generators (`seeds.sample_rngs`)
+    num_samples: int | None  # from the manifest
+    quota: int | None  # batches this worker yields in it (epoch mode with counts); None: flows on
+
+
+class ShardStream(IterableDataset):
+    """Endless (or `epochs`-long) stream of uint8 batches for one rank; each DataLoader worker reads
+    its own shards. `epoch_batches`: batches per rank per epoch (None when resampled or uncounted)."""
+
+    def __init__(
+        self,
+        info: DatasetInfo,
+        *,
+        rank: int,
+        world_size: int,
+        batch_size: int,
+        img_size: int,
+        seed: int,
+        num_workers: int,
+        shuffle_buffer: int = 256,
+        min_scale: float = 0.08,
+        start_batch: int = 0,
+        resampled: bool = False,
+        epochs: int | None = None,
+        randaugment: tuple[int, float] | None = None,
+        hflip: bool = True,
+        max_skip_fraction: float = 0.01,
+    ):
+        workers = max(1, num_workers)
+        slots = world_size * workers
+        if not resampled and len(info.urls) < slots:
+            raise DatasetError(
+                f"{len(info.urls)} shards cannot be split over {world_size} ranks x {workers} "
+                f"loader workers; write at least {slots} shards (vitpipe shard --max-count), use fewer "
+                f"workers, or stream with resampled=True"
+            )
+        if resampled and epochs is not None:
+            raise ValueError("resampled streams have no epochs: leave epochs=None and count steps")
+        self.epoch_batches = None if resampled else epoch_batches(info, world_size, batch_size, workers)
+        if self.epoch_batches == 0:
+            smallest = sorted(info.shard_counts or [])[: len(info.urls) // slots]
+            raise DatasetError(
+                f"{info.urls[0]}...: a loader worker may get only {sum(smallest)} samples in an epoch "
+                f"({len(smallest)} of {len(info.urls)} shards over {world_size} ranks x {workers} workers), "
+                f"fewer than batch_size {batch_size}; use fewer workers, a smaller batch, or resampled=True"
+            )
+        if epochs is not None and self.epoch_batches is None:
+            raise DatasetError(
+                f"{info.urls[0]}...: epochs={epochs} needs exact per-shard counts (a manifest.json) so that "
+                "every rank yields the same number of batches"
+            )
+        self.info = info
+        self.rank, self.world_size, self.num_workers = rank, world_size, workers
+        self.batch_size, self.img_size = batch_size, img_size
+        self.seed, self.shuffle_buffer, self.min_scale = seed, shuffle_buffer, min_scale
+        self.start_batch, self.resampled, self.epochs = start_batch, resampled, epochs
+        self.randaugment, self.max_skip_fraction = randaugment, max_skip_fraction
+        self.hflip = hflip
+        self._counts = dict(zip(info.urls, info.shard_counts)) if info.shard_counts else None
+
+    @staticmethod
+    def batches_done_by_worker(start_batch: int, worker: int, num_workers: int) -> int:
+        """Of the rank's first `start_batch` batches, how many came from `worker` (round-robin):
+        ceil((start_batch - worker) / num_workers), never negative."""
+        return max(0, (start_batch - worker + num_workers - 1) // num_workers)
+
+    def shards_for(self, epoch: int, worker: int, num_workers: int) -> list[str]:
+        """Epoch mode: this rank's and worker's shards in `epoch` (every shard once over all slots)."""
+        order = seeds.rng(seeds.ORDER, self.seed, epoch).permutation(len(self.info.urls))
+        mine = order[self.rank :: self.world_size][worker::num_workers]
+        return [self.info.urls[i] for i in mine]
+
+    def _count(self, urls: list[str]) -> int | None:
+        return sum(self._counts[u] for u in urls) if self._counts else None
+
+    def _epoch_rounds(self, worker: int, num_workers: int, first: int = 0) -> Iterator[_Round]:
+        quota = self.epoch_batches // num_workers if self.epoch_batches is not None else None
+        for e in itertools.count(first):
+            if self.epochs is not None and e >= self.epochs:
+                return
+            urls = self.shards_for(e, worker, num_workers)
+            yield _Round(
+                e, urls, (seeds.SHUFFLE, self.seed, e, self.rank, worker),
+                (seeds.AUGMENT, self.seed, e, self.rank, worker), self._count(urls), quota,
+            )  # fmt: skip
+
+    def resampled_rounds(self, worker: int, num_workers: int) -> Iterator[_Round]:
+        """Resampled mode: rounds of shards drawn with replacement from (seed, rank, worker)."""
+        urls = self.info.urls
+        draw = seeds.rng(seeds.DRAW, self.seed, self.rank, worker)
+        per_round = max(1, len(urls) // (self.world_size * num_workers))
+        for k in itertools.count():
+            mine = [urls[i] for i in draw.integers(len(urls), size=per_round)]
+            yield _Round(
+                k, mine, (seeds.ROUND_SHUFFLE, self.seed, self.rank, worker, k),
+                (seeds.ROUND_AUGMENT, self.seed, self.rank, worker, k), self._count(mine), None,
+            )  # fmt: skip
+
+    def _resume(self, worker: int, num_workers: int) -> tuple[Iterator[_Round], int, int]:
+        """The worker's rounds from its resume point, batches already made in the first of them,
+        and samples to skip (read, not decoded) from there (the module docstring's step 2)."""
+        done = self.batches_done_by_worker(self.start_batch, worker, num_workers)
+        if not self.resampled and self.epoch_batches is not None:
+            per_epoch = self.epoch_batches // num_workers  # the worker's quota in every epoch
+            within = done % per_epoch
+            return (
+                self._epoch_rounds(worker, num_workers, done // per_epoch),
+                within,
+                within * self.batch_size,
+            )
+        to_skip = done * self.batch_size
+        if not self.resampled:
+            return self._epoch_rounds(worker, num_workers), 0, to_skip
+        rounds = self.resampled_rounds(worker, num_workers)
+        for rnd in rounds:
+            if rnd.num_samples is None or rnd.num_samples > to_skip:
+                return itertools.chain([rnd], rounds), 0, to_skip
+            to_skip -= rnd.num_samples  # this whole round was consumed before the checkpoint
+        raise AssertionError("unreachable: resampled rounds are endless")
+
+    def _round_samples(self, rnd: _Round, counter: SkipCounter) -> Iterator[dict]:
+        """The round's samples through the shuffle buffer. With a quota, a round that holds fewer
+        readable samples than it owes (corrupt data) is read again rather than end the rank early."""
+        shuffle_rng = seeds.rng(*rnd.shuffle_key)
+        for repeat in itertools.count():
+            good_before = counter.read - counter.bad
+            yield from _shuffle(
+                read_shards(rnd.urls, counter, self._counts), self.shuffle_buffer, shuffle_rng
+            )
+            if rnd.quota is None:
+                return
+            if repeat > 0 and counter.read - counter.bad == good_before:
+                raise DatasetError(f"rank {self.rank}: no readable sample in {rnd.urls}")
+            log.warning(
+                "rank %d epoch %d: too few readable samples for the %d batches every worker owes; "
+                "reading its shards again", self.rank, rnd.index, rnd.quota,
+            )  # fmt: skip
+
+    def _augment(self, img: Image.Image, rng: np.random.Generator) -> torch.Tensor:
+        return train_tensor(img, self.img_size, rng, self.min_scale, self.randaugment, self.hflip)
+
+    def __iter__(self) -> Iterator[dict]:
+        process, num_workers = loader_worker()
+        # The DataLoader asks its workers round-robin from process 0, but the uninterrupted stream's
+        # batch M came from worker M % W: after a resume, process k plays worker (k + M) % W.
+        worker = (process + self.start_batch) % num_workers
+        counter = SkipCounter(self.max_skip_fraction, f"rank {self.rank} worker {worker}")
+        multi, k = self.info.multi_label, self.info.num_classes
+        builder = BatchBuilder(self.batch_size, self.img_size, k, multi)
+        rounds, made, to_skip = self._resume(worker, num_workers)
+        for rnd in rounds:
+            augment_rng = seeds.sample_rngs(*rnd.augment_key)
+            for i, sample in enumerate(self._round_samples(rnd, counter)):
+                if to_skip:  # resuming: these were consumed before the checkpoint
+                    to_skip -= 1
+                    continue
+                try:
+                    image, labels = decode(sample, multi, k, partial(self._augment, rng=augment_rng(i)))
+                except Exception as exc:  # a corrupt sample is skipped and counted, never fatal here
+                    counter.skip(sample.get("__url__", "?"), f"sample {sample.get('__key__')}", exc)
+                    continue
+                counter.good()
+                if builder.add(image, labels, sample["__key__"]):
+                    yield builder.take(skipped=counter.bad)
+                    made += 1
+                    if rnd.quota is not None and made == rnd.quota:
+                        break
+            if rnd.quota is not None:
+                builder.clear()  # the epoch's tail (fewer than a batch, or beyond the quota) is dropped
+            made = 0
