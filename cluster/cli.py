@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from cluster import submit  # Ray itself loads only when a command talks to the cluster
+
 ADDRESS_HELP = (
     "Ray Jobs API address (the dashboard), e.g. http://HEAD:8265; default $RAY_ADDRESS or 127.0.0.1:8265"
 )
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from cluster import submit
-
     env = dict(kv.split("=", 1) for kv in args.env)
     sid = submit.submit(args.config, args.overrides, args.address, python=args.python, env=env)
     print(f"submitted {sid}\n  logs: vitpipe logs {sid} --follow\n  stop: vitpipe stop {sid}", flush=True)
@@ -24,8 +24,6 @@ def _submit(args: argparse.Namespace) -> int:
 
 
 def _jobs(args: argparse.Namespace) -> int:
-    from cluster import submit
-
     rows = submit.list_jobs(args.address)
     if not rows:
         print("no jobs")
@@ -35,8 +33,6 @@ def _jobs(args: argparse.Namespace) -> int:
 
 
 def _logs(args: argparse.Namespace) -> int:
-    from cluster import submit
-
     if args.follow:
         status = submit.follow(args.id, args.address)
         print(f"job {args.id}: {status}")
@@ -46,8 +42,6 @@ def _logs(args: argparse.Namespace) -> int:
 
 
 def _stop(args: argparse.Namespace) -> int:
-    from cluster import submit
-
     stopped = submit.stop(args.id, args.address)
     print(f"{args.id}: {'stop requested' if stopped else 'not running'}")
     return 0

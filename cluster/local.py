@@ -17,6 +17,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil  # installed with ray[default]
+
 
 @dataclass(frozen=True)
 class LocalCluster:
@@ -108,8 +110,6 @@ def stop(cluster: LocalCluster | None = None) -> None:
     if cluster is None:
         subprocess.run([_ray_bin(), "stop", "--force"], env=auth_env(), capture_output=True, text=True)
         return
-    import psutil  # a Ray dependency
-
     session = Path(cluster.temp_dir, "session_latest").resolve().name  # session_2026-..._PID
     procs = []
     for p in psutil.process_iter(["pid", "cmdline"]):

@@ -19,8 +19,14 @@ import sys
 import time
 from pathlib import Path
 
+import ray
+import ray.train
+from ray.train import FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchConfig, TorchTrainer
+
 from data_prep import atomic
-from pipeline.config import Experiment, StageConfig, load_experiment
+from data_prep.layout import DatasetError
+from pipeline.config import ConfigError, Experiment, StageConfig, load_experiment, validate_config
 from pipeline.tracking import (
     RUN_ID_FILE,
     end_run,
@@ -38,10 +44,6 @@ DONE = "DONE.json"
 
 def _worker(config: dict) -> None:
     # Runs in every Ray Train worker; TorchTrainer has already joined the process group.
-    import ray.train
-
-    from pipeline.config import validate_config
-
     cfg = validate_config(config["cfg"], source="<ray worker>")
     run_rank(cfg, report=ray.train.report, parent_run_id=config["parent_run_id"])
 
@@ -52,8 +54,6 @@ def connect(address: str | None) -> None:
     No runtime_env here: inside a job it would conflict with the job's own, and workers need none
     (the engine picks DS_ACCELERATOR from what the worker sees).
     """
-    import ray
-
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
@@ -65,8 +65,6 @@ def connect(address: str | None) -> None:
 
 def run_stage(cfg: StageConfig, parent_run_id: str | None = None):
     """One stage on Ray Train workers. Returns ray.train.Result."""
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
 
     # Workers may start in other directories: pass absolute paths (the data, init weights, teacher).
     def local_abs(path: str) -> str:
@@ -172,9 +170,6 @@ def run_experiment(exp: Experiment) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from data_prep.layout import DatasetError
-    from pipeline.config import ConfigError
-
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: python -m cluster.run CONFIG [KEY=VALUE ...]", file=sys.stderr)

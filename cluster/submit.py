@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from pipeline.config import load_experiment
+
 # Ray's limit on a job's uploaded working directory (ray issue 45602: .git is not excluded by default).
 UPLOAD_LIMIT_BYTES = 100 * 1024**2
 EXCLUDES = [".git", ".venv", "venv", "data", "runs", "mlruns", "*.db", "__pycache__", ".pytest_cache",
@@ -66,6 +68,7 @@ def check_upload(root: Path, limit: int = UPLOAD_LIMIT_BYTES) -> int:
 
 
 def client(address: str | None):
+    # Imported here: Ray takes seconds to import, and every vitpipe command imports this module.
     from ray.job_submission import JobSubmissionClient
 
     os.environ.setdefault("RAY_AUTH_MODE", "token")
@@ -79,8 +82,6 @@ def submission_id(experiment: str) -> str:
 def submit(config: str, overrides: list[str], address: str | None, python: str = "python",
            env: dict[str, str] | None = None, root: Path | None = None) -> str:  # fmt: skip
     """Validate the config here (fail before upload), check the upload size, submit; returns the id."""
-    from pipeline.config import load_experiment
-
     exp = load_experiment(config, overrides)  # a typo fails here, not after an upload
     root = (root or Path.cwd()).resolve()
     check_upload(root)
