@@ -20,7 +20,9 @@ other work on a shared machine skews the speed and the speed-up.
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import multiprocessing
 import os
 import platform
 import re
@@ -34,6 +36,8 @@ import time
 from pathlib import Path
 
 import psutil  # installed with ray[default]
+
+from data_prep.synthetic import render
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -85,10 +89,6 @@ def run_shard(out: Path, num: int, workers: int, width: int, height: int, max_co
 
 def _draw_and_encode(num: int, width: int, height: int) -> float:
     """The per-image work of a synthetic shard without vitpipe around it: seconds for `num` images."""
-    import io
-
-    from data_prep.synthetic import render
-
     t0 = time.perf_counter()
     for i in range(num):
         img, _ = render(i, 0, 100, 1.3, width, height)
@@ -98,8 +98,6 @@ def _draw_and_encode(num: int, width: int, height: int) -> float:
 
 def calibrate(num: int, width: int, height: int) -> float:
     """The speed-up 2 processes get on this machine right now (other tenants' load included)."""
-    import multiprocessing
-
     with multiprocessing.get_context("spawn").Pool(2) as pool:
         pool.starmap(_draw_and_encode, [(5, width, height)] * 2)  # imports done before timing
         one = _draw_and_encode(num, width, height)

@@ -21,6 +21,12 @@ import sys
 from data_prep.build import BuildOptions, BuildReport, build_dataset
 from data_prep.executors import default_workers
 from data_prep.layout import ERRORS
+from data_prep.sources.digits import DigitsSource
+from data_prep.sources.folder import FolderSource
+from data_prep.sources.labels import read_classes
+from data_prep.sources.synthetic import SyntheticSource
+from data_prep.sources.table import ManifestSource
+from data_prep.verify import verify_dataset
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 
@@ -136,26 +142,18 @@ def _run(source, args: argparse.Namespace) -> int:
 
 
 def _class_list(args: argparse.Namespace):
-    from data_prep.sources.labels import read_classes
-
     return read_classes(args.classes) if args.classes else None
 
 
 def _folder(args: argparse.Namespace) -> int:
-    from data_prep.sources.folder import FolderSource
-
     return _run(FolderSource(args.dir, args.labels, _class_list(args), seed=args.seed), args)
 
 
 def _manifest(args: argparse.Namespace) -> int:
-    from data_prep.sources.table import ManifestSource
-
     return _run(ManifestSource(args.file, _class_list(args), seed=args.seed), args)
 
 
 def _synthetic(args: argparse.Namespace) -> int:
-    from data_prep.sources.synthetic import SyntheticSource
-
     source = SyntheticSource(
         args.num, args.classes, seed=args.seed, labels_per_image=args.labels_per_image,
         width=args.width, height=args.height,
@@ -164,14 +162,10 @@ def _synthetic(args: argparse.Namespace) -> int:
 
 
 def _digits(args: argparse.Namespace) -> int:
-    from data_prep.sources.digits import DigitsSource
-
     return _run(DigitsSource(args.size, seed=args.seed), args)
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from data_prep.verify import verify_dataset
-
     checks = verify_dataset(args.out, workers=args.workers)
     bad = [c for c in checks if c.problems]
     for c in bad:

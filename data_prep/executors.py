@@ -7,12 +7,14 @@ grow with the number of shards.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import socket
 from collections.abc import Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
+from data_prep.layout import DatasetError
 from data_prep.plan import ShardTask
 from data_prep.shard_worker import ShardJob, ShardResult, write_planned_shard
 
@@ -67,13 +69,9 @@ def run_on_ray(tasks: Iterable[ShardTask], job: ShardJob) -> Iterator[ShardResul
 
     The dataset folder must be on storage every node sees: each task writes its shard there itself.
     """
-    import logging
-
-    from data_prep.layout import DatasetError
-
     try:
         _check_reachable(os.environ.get("RAY_ADDRESS", ""))
-        import ray
+        import ray  # optional (`--ray` only), and slow to import: only on this path
 
         ray.init(address="auto", logging_level=logging.WARNING, log_to_driver=False)
     except (ImportError, ConnectionError, RuntimeError, OSError) as exc:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import multiprocessing
 import re
 import tarfile
 from concurrent.futures import ProcessPoolExecutor
@@ -153,8 +154,6 @@ def verify_dataset(root: str | Path, workers: int = 1) -> list[ShardCheck]:
     if workers <= 1 or len(args) <= 1:
         checks = [verify_shard(*a) for a in args]
     else:
-        import multiprocessing
-
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(min(workers, len(args)), mp_context=ctx) as pool:
             checks = list(pool.map(verify_shard, *zip(*args)))
@@ -162,7 +161,7 @@ def verify_dataset(root: str | Path, workers: int = 1) -> list[ShardCheck]:
 
 
 def _check_index(root: Path, expected_rows: int) -> ShardCheck:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # heavy; the spawned shard-checking workers never need it
 
     path = root / INDEX
     try:

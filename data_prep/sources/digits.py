@@ -45,7 +45,7 @@ class DigitsSource:
         self.split_salt = seed
 
     def describe(self) -> dict:
-        import sklearn
+        import sklearn  # heavy (scipy): only in the driver, and only for this source
 
         return {"kind": self.kind, "size": self.size, "sklearn": sklearn.__version__}
 
