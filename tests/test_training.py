@@ -111,7 +111,8 @@ def test_sigterm_checkpoints_and_resume_falls_back_past_a_corrupt_checkpoint(smo
     )
     deadline = time.time() + 300
     for line in proc.stdout:
-        if line.startswith("step 7/") or time.time() > deadline:
+        # Progress lines come every 1/20 of the steps (2 here): stop at the first one at or past step 7.
+        if (line.startswith("step ") and int(line.split()[1].split("/")[0]) >= 7) or time.time() > deadline:
             proc.send_signal(signal.SIGTERM)
             break
     out = proc.stdout.read()
@@ -173,3 +174,25 @@ def test_tracker_marks_a_failed_stage_failed(tmp_path):
         quiet.run_id is None
         and len(client.search_runs([client.get_experiment_by_name("exp").experiment_id])) == 1
     )
+
+
+@pytest.mark.unit
+def test_progress_lines_come_at_a_readable_rate():
+    from pipeline.train.loop import PROGRESS_LINES, PROGRESS_MAX_SILENCE_S, progress_due
+
+    def printed(total: int, start: int = 0, seconds_per_step: float = 0.1) -> list[int]:
+        lines, last = [], None
+        for done in range(start + 1, total + 1):  # log_every 1: every step is a log step
+            since = (done - last) * seconds_per_step if last else 0.0
+            if progress_due(done, total, last, since):
+                lines.append(done)
+                last = done
+        return lines
+
+    # About PROGRESS_LINES per stage (plus the first), the last step always; short runs print every step.
+    assert len(printed(1000)) == PROGRESS_LINES + 1 and printed(1000)[:3] == [1, 50, 100]
+    assert printed(1000)[-1] == 1000 and printed(15) == list(range(1, 16))
+    assert printed(1000, start=730)[:2] == [731, 750]  # a resumed stage says so at once
+    # A long, slow run still prints at least once every PROGRESS_MAX_SILENCE_S.
+    slow = printed(100_000, seconds_per_step=PROGRESS_MAX_SILENCE_S / 10)
+    assert slow[:3] == [1, 11, 21]

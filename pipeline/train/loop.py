@@ -37,6 +37,8 @@ from pipeline.train.storage import Store, child
 
 log = logging.getLogger(__name__)
 STOP_FILE = "STOP"
+PROGRESS_LINES = 20  # a stage prints a progress line about every 1/20 of its steps...
+PROGRESS_MAX_SILENCE_S = 60.0  # ...and at a log step at least once a minute on a long run
 
 
 @dataclass
@@ -48,6 +50,14 @@ class StageResult:
     export: str | None = None
     stopped_early: bool = False
     losses: list[float] = field(default_factory=list)
+
+
+def progress_due(done: int, total: int, last_printed: int | None, seconds_since: float) -> bool:
+    """Whether this log step prints a progress line: the first, every 1/PROGRESS_LINES, the last, or
+    after PROGRESS_MAX_SILENCE_S without one. MLflow still gets every log step (tracking.log_every)."""
+    every = max(1, total // PROGRESS_LINES)
+    crossed = last_printed is None or done // every > last_printed // every
+    return crossed or done == total or seconds_since >= PROGRESS_MAX_SILENCE_S
 
 
 def step_seed(seed: int, step: int, micro: int, rank: int) -> int:
@@ -174,8 +184,8 @@ def train(cfg: StageConfig, report: Callable[[dict], None] | None = None,
         batches = iter(loader)
         losses: list[float] = []
         last_loss = float("nan")
-        t0 = t_log = time.perf_counter()
-        steps_since_log = 0
+        t0 = t_log = t_print = time.perf_counter()
+        steps_since_log, last_printed = 0, None
         stopped_early = False
         for step in range(start, cfg.optim.steps):
             _maybe_kill(cfg, ctx.rank, step + 1, run_path)
@@ -210,7 +220,8 @@ def train(cfg: StageConfig, report: Callable[[dict], None] | None = None,
                     values["perf/mfu"] = tflops / cfg.tracking.peak_tflops
                 tracker.log_metrics(values, step=done)
                 t_log, steps_since_log = now, 0
-                if ctx.is_main:
+                if ctx.is_main and progress_due(done, cfg.optim.steps, last_printed, now - t_print):
+                    last_printed, t_print = done, now
                     rate = (done - start) / (now - t0)
                     eta = (cfg.optim.steps - done) / max(rate, 1e-9)
                     print(f"step {done}/{cfg.optim.steps} loss {last_loss:.4f} {rate:.2f} steps/s eta {eta:.0f}s",
