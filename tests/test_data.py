@@ -1,3 +1,4 @@
+import io
 import json
 import tarfile
 from collections import Counter
@@ -8,6 +9,7 @@ import webdataset as wds
 
 from data_prep.layout import DatasetError, read_manifest
 from data_prep.synthetic import class_names, synthetic_samples
+from data_prep.tario import tar_members, tar_samples
 from data_prep.writer import write_dataset
 from pipeline.data.sources import dataset_info
 from pipeline.data.train_stream import ShardStream
@@ -106,3 +108,48 @@ def test_missing_manifest_names_the_folder(tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps({"format_version": 99}))
     with pytest.raises(DatasetError, match="format_version 99"):
         dataset_info(tmp_path)
+
+
+def _archive(fmt: int, members: list[tuple[str, bytes]], with_dir: bool = True) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as tar:
+        if with_dir:
+            d = tarfile.TarInfo("a_dir")
+            d.type = tarfile.DIRTYPE
+            tar.addfile(d)
+        for name, data in members:
+            tar.addfile(_info(name, len(data)), io.BytesIO(data))
+    return buf.getvalue()
+
+
+def _info(name: str, size: int) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.size = size
+    return info
+
+
+@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.PAX_FORMAT, tarfile.GNU_FORMAT])
+def test_tar_reader_matches_tarfile_for_long_and_unicode_names(fmt):
+    long_dir = "d" * 120 if fmt != tarfile.USTAR_FORMAT else "d" * 60  # USTAR: a 155-byte prefix field
+    names = ["k1.jpg", "k1.cls", f"{long_dir}/k2.jpg", f"{long_dir}/k2.cls"]
+    if fmt != tarfile.USTAR_FORMAT:
+        names += ["chat/ünï.jpg", "chat/ünï.cls", "x" * 150 + ".jpg", "x" * 150 + ".cls"]
+    members = [(n, bytes([i]) * (i * 300 + 1)) for i, n in enumerate(names)]
+    data = _archive(fmt, members)
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        expected = [(m.name, tar.extractfile(m).read()) for m in tar if m.isfile()]
+    assert list(tar_members(io.BytesIO(data))) == expected == members  # the directory is skipped
+    samples = list(tar_samples(io.BytesIO(data), "u"))
+    assert [s["__key__"] for s in samples] == [n.rsplit(".", 1)[0] for n, _ in members[::2]]
+    assert all(set(s) == {"__key__", "__url__", "jpg", "cls"} for s in samples)
+
+
+def test_tar_reader_raises_on_a_cut_or_damaged_stream():
+    data = _archive(tarfile.USTAR_FORMAT, [("a.jpg", b"x" * 2000), ("a.cls", b"1")], with_dir=False)
+    for cut in (1000, 512 * 5):  # mid-member; after the first member, without the end marker
+        with pytest.raises(tarfile.ReadError, match="unexpected end of data"):
+            list(tar_members(io.BytesIO(data[:cut])))
+    bad = bytearray(data)
+    bad[10] ^= 0xFF  # in the first header's name: its checksum no longer holds
+    with pytest.raises(tarfile.ReadError, match="bad checksum"):
+        list(tar_members(io.BytesIO(bytes(bad))))
