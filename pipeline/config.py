@@ -1,23 +1,46 @@
-"""The typed config tree: YAML in, a validated `StageConfig` out.
+"""The typed config tree: YAML in, a validated `StageConfig` (one stage) or `Experiment` (stages) out.
 
     cfg = load_config("configs/experiments/smoke.yaml", ["optim.lr=3e-4", "cluster.num_workers=2"])
+    exp = load_experiment("configs/experiments/demo.yaml", ["stages.finetune.optim.lr=1e-3"])
+    check_inputs(exp)    # entry points, before any worker or cluster resource starts: datasets exist
 
-Every section is a pydantic model that forbids unknown keys, so a misspelled key or a value of the
-wrong type fails at load time with a `ConfigError` naming the file, the dotted key path and what was
-expected. Code reads typed fields only (`cfg.optim.lr`), never `dict.get(key, default)`.
+Every section is a pydantic model that forbids unknown keys, and so is the multi-stage file
+(`ExperimentFile`), so a misspelled key or a value of the wrong type fails at load time with a
+`ConfigError` naming the file, the dotted key path and what was expected (with a "did you mean").
+Loading also checks `model.name` against the model registry and `model.overrides` against what that
+model's constructor accepts, and makes every local path absolute against the CWD (the one place
+paths are resolved: workers may start in other directories). Code reads typed fields only
+(`cfg.optim.lr`), never `dict.get(key, default)`.
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
+import inspect
 import os
+import types
+import typing
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
+import pydantic
+import torch
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from webdataset.shardlists import expand_urls
 
 from data_prep import atomic
+from data_prep.layout import DatasetError, read_manifest
+from pipeline.models import create_model, list_models
 
 
 class ConfigError(ValueError):
@@ -28,6 +51,29 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+def _is_remote(path: str) -> bool:
+    return "://" in path or path.startswith("pipe:")
+
+
+def local_abspath(path: str) -> str:
+    """A local path made absolute against the CWD; a URI (`s3://...`, `pipe:...`) as it is. Each part of
+    a '::'-joined shard list on its own."""
+    if "::" in path:
+        return "::".join(local_abspath(part) for part in path.split("::"))
+    if _is_remote(path):
+        return path
+    if path.startswith("file:"):
+        return "file:" + os.path.abspath(path.removeprefix("file:"))
+    return os.path.abspath(path)
+
+
+def _run_dir(run_dir: str, name: str) -> str:
+    try:
+        return os.path.abspath(run_dir.format(name=name))
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ValueError(f"run_dir {run_dir!r}: only {{name}} expands here ({exc!r})") from None
+
+
 class ModelConfig(_Section):
     name: str = Field("vit_debug", description="Registered model name, see `pipeline.models.list_models()`.")
     img_size: int = Field(32, gt=0, description="Training resolution in pixels (square).")
@@ -36,7 +82,8 @@ class ModelConfig(_Section):
     )
     overrides: dict[str, Any] = Field(
         default_factory=dict,
-        description="Keyword overrides passed to `create_model` (e.g. pos_embed, pool, drop_path_rate).",
+        description="Keyword overrides passed to `create_model` (e.g. pos_embed, pool, drop_path_rate); "
+        "checked at load against the options the named model's constructor accepts.",
     )
     init_from: str | None = Field(
         None,
@@ -46,6 +93,11 @@ class ModelConfig(_Section):
     init_head: bool = Field(
         False, description="Also load the classifier head from init_from (else a new zero head)."
     )
+
+    @field_validator("init_from")
+    @classmethod
+    def _absolute_init_from(cls, v: str | None) -> str | None:
+        return None if v is None else local_abspath(v)
 
 
 class SyntheticDataConfig(_Section):
@@ -90,6 +142,11 @@ class DataConfig(_Section):
     shuffle_buffer: int = Field(256, ge=0, description="Samples held in the in-worker shuffle buffer.")
     min_scale: float = Field(0.35, gt=0.0, le=1.0, description="RandomResizedCrop lower area bound.")
 
+    @field_validator("train")
+    @classmethod
+    def _absolute_train(cls, v: str) -> str:
+        return local_abspath(v)
+
 
 class TeacherConfig(_Section):
     model: str = Field(..., description="Registered teacher model name.")
@@ -102,6 +159,11 @@ class TeacherConfig(_Section):
     overrides: dict[str, Any] = Field(
         default_factory=dict, description="create_model overrides for the teacher."
     )
+
+    @field_validator("weights")
+    @classmethod
+    def _absolute_weights(cls, v: str) -> str:
+        return local_abspath(v)
 
 
 class ObjectiveConfig(_Section):
@@ -259,14 +321,21 @@ class EvalConfig(_Section):
 
 class StageConfig(_Section):
     name: str = Field(
-        ..., min_length=1, description="Experiment name; names the run directory and MLflow experiment."
+        ...,
+        min_length=1,
+        description="Stage name (in a one-stage file also the experiment's); names the run directory and, "
+        "unless tracking.experiment is set, the MLflow experiment.",
     )
     kind: Literal["train", "eval"] = Field(
         "train",
         description="`train`: the training loop; `eval`: evaluate model.init_from's export (section eval).",
     )
     seed: int = Field(0, description="Root seed: model init, data order, augmentation.")
-    run_dir: str = Field("runs/{name}", description="Output folder; `{name}` expands; relative to the CWD.")
+    run_dir: str = Field(
+        "runs/{name}",
+        validate_default=True,
+        description="Output folder; `{name}` expands; relative to the CWD (made absolute at load).",
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig
     objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
@@ -296,10 +365,15 @@ class StageConfig(_Section):
                 )
         return self
 
+    @field_validator("run_dir")
+    @classmethod
+    def _absolute_run_dir(cls, v: str, info: pydantic.ValidationInfo) -> str:
+        return v if "name" not in info.data else _run_dir(v, info.data["name"])
+
     # Derived quantities, one definition each.
     @property
     def run_path(self) -> Path:
-        return Path(self.run_dir.format(name=self.name)).absolute()
+        return Path(self.run_dir)
 
     @property
     def tracking_uri(self) -> str:
@@ -309,7 +383,7 @@ class StageConfig(_Section):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
-# ---------------------------------------------------------------- loading
+# ---------------------------------------------------------------- reading and validating
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -335,35 +409,79 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return raw
 
 
-def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
+def _inner(ann: Any) -> Any:
+    """The section type behind an annotation: a BaseModel subclass, `dict` for a mapping of sections
+    (then `_inner` of its value type follows), or None for a plain value."""
+    origin = typing.get_origin(ann)
+    if origin in (Union, types.UnionType):
+        return next((t for t in map(_inner, typing.get_args(ann)) if t is not None), None)
+    if origin is dict and _inner(typing.get_args(ann)[1]) is not None:
+        return ann
+    return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+
+
+def _allowed_keys(schema: type[BaseModel], loc: tuple) -> list[str]:
     """The field names valid at the section that holds `loc[-1]`."""
-    for part in loc[:-1]:
-        field = model.model_fields.get(str(part))
-        ann = getattr(field, "annotation", None)
-        candidates = [ann, *getattr(ann, "__args__", ())]
-        nxt = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
-        if nxt is None:
+    node: Any = schema
+    parts = list(loc[:-1])
+    while parts:
+        if typing.get_origin(node) is dict:  # a mapping of sections (`stages`): skip the key
+            parts.pop(0)
+            node = _inner(typing.get_args(node)[1])
+            continue
+        field = node.model_fields.get(str(parts.pop(0)))
+        node = _inner(getattr(field, "annotation", None))
+        if node is None:
             return []
-        model = nxt
-    return list(model.model_fields)
+    return list(node.model_fields) if isinstance(node, type) else []
 
 
-def _describe(err: ValidationError, source: str) -> str:
-    lines = [f"{source}: invalid config ({err.error_count()} problem{'s' * (err.error_count() > 1)})"]
+# Keys a stage of a multi-stage file may not set: the experiment sets them for every stage.
+_EXPERIMENT_WIDE = {
+    "name": "a stage's name is its key under stages",
+    "seed": "set seed once at the top of the file: every stage gets the experiment's seed",
+    "run_dir": "set run_dir once at the top of the file: stage STAGE runs in RUN_DIR/STAGE",
+}
+
+
+def _unknown_key(schema: type[BaseModel], loc: tuple) -> str:
+    key = str(loc[-1])
+    if (
+        schema is ExperimentFile
+        and len(loc) in (2, 3)
+        and loc[0] in ("defaults", "stages")
+        and key in _EXPERIMENT_WIDE
+    ):
+        return f"not a stage key here: {_EXPERIMENT_WIDE[key]}"
+    allowed = _allowed_keys(schema, loc)
+    candidates = allowed + (
+        ["stages", "defaults", "storage"] if schema is StageConfig and len(loc) == 1 else []
+    )
+    close = difflib.get_close_matches(key, candidates, n=1)
+    hint = ""
+    if close:
+        multi = close[0] not in allowed
+        hint = f"; did you mean {close[0]!r}{' (a key of multi-stage experiment files)' if multi else ''}?"
+    return f"unknown key{hint} allowed keys here: {', '.join(allowed)}"
+
+
+def _header(source: str, count: int) -> str:
+    return f"{source}: invalid config ({count} problem{'s' * (count > 1)})"
+
+
+def _describe(err: ValidationError, source: str, schema: type[BaseModel]) -> str:
+    lines = [_header(source, err.error_count())]
     for e in err.errors():
         loc = tuple(e["loc"])
         key = ".".join(str(p) for p in loc) or "<root>"
         if e["type"] == "extra_forbidden":
-            allowed = _allowed_keys(StageConfig, loc)
-            close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            lines.append(f"  {key}: unknown key{hint} allowed keys here: {', '.join(allowed)}")
+            lines.append(f"  {key}: {_unknown_key(schema, loc)}")
         elif e["type"] == "missing":
             lines.append(f"  {key}: required key is missing")
         elif not loc:  # a cross-field rule: the message names its keys; the input would be the whole file
             lines.append(f"  {e['msg'].removeprefix('Value error, ')}")
         else:
-            lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
+            lines.append(f"  {key}: {e['msg'].removeprefix('Value error, ')} (got {e.get('input')!r})")
     return "\n".join(lines)
 
 
@@ -377,15 +495,6 @@ def _read_yaml(path: Path) -> dict:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
     return raw
-
-
-def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> StageConfig:
-    """Read YAML, apply dotted overrides, validate. Relative `data.train` resolves against the CWD."""
-    path = Path(path)
-    raw = _read_yaml(path)
-    raw = _with_bases(raw, path, seen=(path.resolve(),))
-    raw = apply_overrides(raw, list(overrides or []))
-    return validate_config(raw, source=str(path))
 
 
 def _deep_merge(base: dict, top: dict) -> dict:
@@ -415,10 +524,22 @@ def _with_bases(raw: dict, path: Path, seen: tuple[Path, ...]) -> dict:
 
 
 def validate_config(raw: dict, source: str = "<config>") -> StageConfig:
+    """The schema alone (types, unknown keys, cross-field rules; local paths made absolute). `load_config`
+    and `load_experiment` also check the model name and options against the registry."""
     try:
         return StageConfig.model_validate(raw)
     except ValidationError as err:
-        raise ConfigError(_describe(err, source)) from None
+        raise ConfigError(_describe(err, source, StageConfig)) from None
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> StageConfig:
+    """Read a one-stage YAML file (and its `base:` presets), apply dotted overrides, validate, check the
+    model. Relative paths resolve against the CWD."""
+    path = Path(path)
+    raw = _read_yaml(path)
+    raw = _with_bases(raw, path, seen=(path.resolve(),))
+    raw = apply_overrides(raw, list(overrides or []))
+    return _checked(validate_config(raw, source=str(path)), source=str(path))
 
 
 def save_resolved(cfg: StageConfig, path: Path) -> Path:
@@ -445,19 +566,208 @@ def flatten(cfg: StageConfig) -> dict[str, str]:
     return out
 
 
+# ---------------------------------------------------------------- models: names and options per family
+
+
+def _one_of(names: list[str]) -> str:
+    quoted = [repr(n) for n in names]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+
+
+@functools.cache
+def model_options(name: str) -> dict[str, inspect.Parameter]:
+    """The keyword options `create_model(name, **options)` accepts, annotations resolved to types.
+
+    Read from the constructor of the class `name` builds (found by building the default model once on
+    the meta device: no memory, no init work) and, where that constructor passes `**kwargs` on to its
+    `encoder` (masked-patch prediction's ViT, SimMIM's encoder), from the encoder's constructor too.
+    """
+    with torch.device("meta"):
+        model = create_model(name)
+    options: dict[str, inspect.Parameter] = {}
+    while True:
+        cls = type(model)
+        params = inspect.signature(cls).parameters
+        try:
+            hints = typing.get_type_hints(cls.__init__)
+        except (NameError, TypeError):  # an annotation that does not resolve: the options stay untyped
+            hints = {}
+        for p in params.values():
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in options:
+                options[p.name] = p.replace(annotation=hints.get(p.name, p.annotation))
+        inner = getattr(model, "encoder", None)
+        if not any(p.kind == p.VAR_KEYWORD for p in params.values()) or not isinstance(
+            inner, torch.nn.Module
+        ):
+            return options
+        model = inner
+
+
+@functools.cache
+def _adapter(annotation: Any) -> TypeAdapter | None:
+    try:
+        return TypeAdapter(annotation)
+    except (pydantic.PydanticSchemaGenerationError, pydantic.PydanticUserError, TypeError, NameError):
+        return None  # an annotation pydantic cannot check (a tensor, a callable): the build below still runs
+
+
+def model_problems(
+    name: str,
+    img_size: int | None,
+    overrides: dict[str, Any],
+    where: str,
+    name_key: str = "name",
+    num_classes: int | None = None,
+) -> list[str]:
+    """What is wrong with building registered model `name` with these options, one line per problem.
+
+    The name must be registered (close matches are suggested); each override must be an option of that
+    model's constructor (`model_options`) of the annotated type (a Literal lists its choices); then the
+    model is built once on the meta device (no memory, no init work), so a combination its constructor
+    refuses (an image size the patch size does not divide, a pooling the distillation token cannot use)
+    fails here rather than in every worker.
+    """
+    models = list_models()
+    if name not in models:
+        close = difflib.get_close_matches(name, models, n=4, cutoff=0.6)
+        hint = f"did you mean {_one_of(close)}?" if close else f"registered: {', '.join(models)}"
+        return [f"{where}.{name_key}: unknown model {name!r}; {hint}"]
+    options = model_options(name)
+    problems = []
+    for key, value in overrides.items():
+        if key not in options:
+            close = difflib.get_close_matches(str(key), list(options), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            problems.append(
+                f"{where}.overrides.{key}: not an option of {name}{hint} options: {', '.join(options)}"
+            )
+            continue
+        adapter = _adapter(options[key].annotation)
+        if adapter is None:
+            continue
+        try:
+            adapter.validate_python(value)
+        except ValidationError as err:
+            first = err.errors()[0]
+            at = "".join(f"[{p}]" for p in first["loc"])
+            problems.append(f"{where}.overrides.{key}{at}: {first['msg']} (got {value!r})")
+    if problems:
+        return problems
+    kwargs = {
+        **({} if img_size is None else {"img_size": img_size}),
+        **({} if num_classes is None else {"num_classes": num_classes}),
+        **overrides,
+    }
+    try:
+        with torch.device("meta"):
+            create_model(name, **kwargs)
+    except Exception as exc:  # whatever the constructor raises is the user's answer, with the keys named
+        shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        return [f"{where}: {name}({shown}) cannot be built: {type(exc).__name__}: {exc}"]
+    return []
+
+
+def _checked(cfg: StageConfig, source: str) -> StageConfig:
+    """`cfg` if its model (and distillation teacher) can be built as configured, else a ConfigError."""
+    m, t = cfg.model, cfg.objective.teacher
+    problems = model_problems(m.name, m.img_size, m.overrides, "model", num_classes=m.num_classes)
+    if t is not None:
+        problems += model_problems(
+            t.model,
+            t.img_size or m.img_size,
+            t.overrides,
+            "objective.teacher",
+            name_key="model",
+            num_classes=m.num_classes,
+        )
+    if problems:
+        raise ConfigError("\n  ".join([_header(source, len(problems)), *problems]))
+    return cfg
+
+
 # ---------------------------------------------------------------- multi-stage experiments
 
 
-class Experiment(BaseModel):
-    """An experiment of stages run in order (pretrain -> fine-tune -> evaluate), each a full stage config.
+@functools.cache
+def _partial(model: type[BaseModel], drop: tuple[str, ...] = (), name: str | None = None) -> type[BaseModel]:
+    """`model`'s keys, every one optional, nested sections partial too: a section as written under
+    `defaults` or a stage, checked for unknown keys before the stage is merged and validated whole."""
+    fields: dict[str, Any] = {}
+    for key, field in model.model_fields.items():
+        if key in drop:
+            continue
+        sub = _inner(field.annotation)
+        fields[key] = (
+            (_partial(sub) | None) if sub is not None else Any,
+            Field(None, description=field.description),
+        )
+    partial = pydantic.create_model(name or model.__name__, __base__=_Section, __module__=__name__, **fields)
+    _PARTIAL_OF[partial] = model
+    return partial
 
-    YAML: `name`, `seed`, `run_dir`, `cluster`, `tracking` for the whole experiment, `defaults` merged
-    under every stage, and `stages`, a mapping from stage name to that stage's own keys (so overrides
-    read `stages.finetune.optim.lr=1e-3`). A file without `stages` is a one-stage experiment.
-    `storage` (optional, e.g. `s3://bucket/runs/{name}`) puts every stage's checkpoints and export on
-    object storage under STORAGE/STAGE/ (each stage's `checkpoint.uri`), for nodes without a shared
-    file system; `init_from: STAGE` then reads STORAGE/STAGE/export.
-    """
+
+_PARTIAL_OF: dict[type[BaseModel], type[BaseModel]] = {}
+# One stage's own keys in a multi-stage file: the experiment sets name, seed and run_dir for every stage.
+StageSettings = _partial(StageConfig, drop=tuple(_EXPERIMENT_WIDE), name="StageSettings")
+# Stage sections written at the top of a multi-stage file (e.g. by a `base:` preset) act as defaults.
+TOP_LEVEL_STAGE_SECTIONS = ("model", "data", "objective", "optim", "deepspeed", "checkpoint", "eval", "debug")
+
+
+class _ExperimentKeys(_Section):
+    name: str = Field(
+        ..., min_length=1, description="Experiment name: the run directory and MLflow experiment."
+    )
+    seed: int = Field(0, description="Root seed of every stage.")
+    run_dir: str = Field(
+        "runs/{name}",
+        description="The experiment's folder (`{name}` expands); stage STAGE runs in RUN_DIR/STAGE.",
+    )
+    storage: str | None = Field(
+        None,
+        description="Object storage (e.g. `s3://bucket/runs/{name}`) for every stage's checkpoints and export, "
+        "under STORAGE/STAGE/ (each stage's `checkpoint.uri`), for nodes without a shared file system; "
+        "`init_from: STAGE` then reads STORAGE/STAGE/export.",
+    )
+    base: list[str] | str | None = Field(
+        None, description="Preset files (relative to this file) merged under it, e.g. a deepspeed preset."
+    )
+    cluster: _partial(ClusterConfig) | None = Field(
+        None, description="`cluster` keys for every stage (a stage's own `cluster` keys win)."
+    )
+    tracking: _partial(TrackingConfig) | None = Field(
+        None,
+        description="`tracking` keys for every stage; the experiment sets each stage's uri and experiment.",
+    )
+    defaults: StageSettings | None = Field(None, description="Stage keys merged under every stage.")
+    stages: dict[str, StageSettings] = Field(
+        ...,
+        min_length=1,
+        description="Stage name -> that stage's own keys (any stage key but name, seed and run_dir, which the "
+        "experiment sets), run in this order; overrides read `stages.NAME.optim.lr=1e-3`.",
+    )
+
+
+ExperimentFile = pydantic.create_model(
+    "ExperimentFile",
+    __base__=_ExperimentKeys,
+    __module__=__name__,
+    __doc__="""A multi-stage experiment file as written: experiment-wide keys, `defaults` and `stages`.
+
+    Each stage is `defaults` (under it, any stage section written at the top of the file, e.g. by a
+    `base:` preset) deep-merged with `stages.NAME`, then validated as a whole stage. A file without
+    `stages` is a one-stage experiment (a stage file).""",
+    **{
+        s: (
+            StageSettings.model_fields[s].annotation,
+            Field(None, description=f"`{s}` defaults for every stage."),
+        )
+        for s in TOP_LEVEL_STAGE_SECTIONS
+    },
+)
+
+
+class Experiment(BaseModel):
+    """An experiment of stages run in order (pretrain -> fine-tune -> evaluate), each a full `StageConfig`."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
     name: str
@@ -471,12 +781,19 @@ class Experiment(BaseModel):
         return self.run_path / "parent_run.json"
 
 
-EXPERIMENT_KEYS = ("name", "seed", "run_dir", "storage", "cluster", "tracking", "defaults", "stages", "base")
-# Stage sections written at the top of a multi-stage file (e.g. by a `base:` preset) act as defaults.
-STAGE_SECTIONS = ("model", "data", "objective", "optim", "deepspeed", "checkpoint", "eval", "debug")
+def _given(section: BaseModel | None) -> dict:
+    """The keys a partial section was given (an explicit null included), as plain data."""
+    return {} if section is None else section.model_dump(exclude_unset=True)
+
+
+def _replaced(d: dict, keys: tuple[str, ...], value: Any) -> dict:
+    """`d` with d[k0][k1]... = value, copying along the path (the dicts may be shared with other stages)."""
+    head, *rest = keys
+    return {**d, head: _replaced(d[head], tuple(rest), value) if rest else value}
 
 
 def load_experiment(path: str | os.PathLike, overrides: list[str] | None = None) -> Experiment:
+    """Read an experiment file (one stage, or `stages`), apply dotted overrides, validate every stage."""
     path = Path(path)
     raw = _read_yaml(path)
     if "stages" not in raw:
@@ -484,65 +801,143 @@ def load_experiment(path: str | os.PathLike, overrides: list[str] | None = None)
         return Experiment(name=cfg.name, run_path=cfg.run_path, tracking_uri=cfg.tracking_uri,
                           stages=[(cfg.name, cfg)], source=str(path))  # fmt: skip
     raw = _with_bases(raw, path, seen=(path.resolve(),))
-    top = {k: raw.pop(k) for k in STAGE_SECTIONS if k in raw}
-    raw["defaults"] = _deep_merge(top, raw.get("defaults") or {})
     raw = apply_overrides(raw, list(overrides or []))
-    unknown = sorted(set(raw) - set(EXPERIMENT_KEYS))
-    if unknown:
-        raise ConfigError(
-            f"{path}: unknown top-level key(s) {', '.join(unknown)} in a multi-stage experiment; allowed: "
-            f"{', '.join(EXPERIMENT_KEYS + STAGE_SECTIONS)} (other stage settings go under defaults or stages.NAME)"
-        )
-    stages = raw["stages"]
-    if not isinstance(stages, dict) or not stages:
-        raise ConfigError(f"{path}: stages must be a non-empty mapping of stage name to settings")
-    name = raw.get("name")
-    if not name:
-        raise ConfigError(f"{path}: name: required key is missing")
-    run_path = Path(str(raw.get("run_dir", "runs/{name}")).format(name=name)).absolute()
+    try:
+        f = ExperimentFile.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_describe(err, str(path), ExperimentFile)) from None
+    try:
+        run_path = Path(_run_dir(f.run_dir, f.name))
+    except ValueError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     # storage: object storage for every stage's checkpoints and export (STORAGE/STAGE/...), so stages may
     # run on machines that share no filesystem; run_dir stays the node-local scratch and MLflow file.
-    storage = raw.get("storage")
-    storage = None if storage is None else str(storage).format(name=name)
+    storage = None if f.storage is None else f.storage.format(name=f.name)
 
     def stored(*parts: str) -> str:  # storage/parts, keeping a ?query (s3 endpoint options) at the end
         base, _, query = storage.partition("?")
         joined = "/".join([base.rstrip("/"), *parts])
         return f"{joined}?{query}" if query else joined
 
-    tracking = dict(raw.get("tracking") or {})
+    def export_of(stage: str) -> str:
+        return stored(stage, "export") if storage else str(run_path / stage / "export")
+
+    tracking = _given(f.tracking)
     uri = tracking.get("uri") or f"sqlite:///{run_path / 'mlflow.db'}"
+    top = {s: _given(getattr(f, s)) for s in TOP_LEVEL_STAGE_SECTIONS if getattr(f, s) is not None}
+    defaults = _deep_merge(top, _given(f.defaults))
     resolved: list[tuple[str, StageConfig]] = []
-    for stage_name, stage_raw in stages.items():
-        if not isinstance(stage_raw, dict):
-            raise ConfigError(f"{path}: stages.{stage_name} must be a mapping")
-        merged = _deep_merge(raw.get("defaults") or {}, stage_raw)
-        merged = _deep_merge({"cluster": raw.get("cluster") or {}}, merged)
-        merged.update(name=stage_name, seed=raw.get("seed", 0), run_dir=str(run_path / stage_name),
-                      tracking={**tracking, **(merged.get("tracking") or {}), "uri": uri, "experiment": name})  # fmt: skip
+    for stage_name, settings in f.stages.items():
+        merged = _deep_merge({"cluster": _given(f.cluster)}, _deep_merge(defaults, _given(settings)))
+        merged.update(
+            name=stage_name,
+            seed=f.seed,
+            run_dir=str(run_path / stage_name),
+            tracking={**tracking, **(merged.get("tracking") or {}), "uri": uri, "experiment": f.name},
+        )
         if storage is not None:
             merged["checkpoint"] = {"uri": stored(stage_name), **(merged.get("checkpoint") or {})}
-        init = (merged.get("model") or {}).get("init_from")
-        if init is not None and init in stages:
-            if init not in [n for n, _ in resolved]:
-                raise ConfigError(
-                    f"{path}: stages.{stage_name}.model.init_from: stage {init!r} does not run before it"
-                )
-            merged["model"]["init_from"] = (
-                stored(init, "export") if storage else str(run_path / init / "export")
-            )
-        teacher = ((merged.get("objective") or {}).get("teacher") or {}).get("weights")
-        if teacher is not None and teacher in stages:
-            if teacher not in [n for n, _ in resolved]:
-                raise ConfigError(
-                    f"{path}: stages.{stage_name}.objective.teacher.weights: stage {teacher!r} does not run "
-                    "before it"
-                )
-            merged["objective"]["teacher"]["weights"] = (
-                stored(teacher, "export") if storage else str(run_path / teacher / "export")
-            )
-        resolved.append((stage_name, validate_config(merged, source=f"{path} stages.{stage_name}")))
-    return Experiment(name=name, run_path=run_path, tracking_uri=uri, stages=resolved, source=str(path))
+        # An earlier stage named where weights are read means its export.
+        for keys in (("model", "init_from"), ("objective", "teacher", "weights")):
+            node: Any = merged
+            for k in keys:
+                node = node.get(k) if isinstance(node, dict) else None
+            if isinstance(node, str) and node in f.stages:
+                if node not in [n for n, _ in resolved]:
+                    raise ConfigError(
+                        f"{path}: stages.{stage_name}.{'.'.join(keys)}: stage {node!r} does not run before it"
+                    )
+                merged = _replaced(merged, keys, export_of(node))
+        source = f"{path} stages.{stage_name}"
+        resolved.append((stage_name, _checked(validate_config(merged, source=source), source)))
+    return Experiment(name=f.name, run_path=run_path, tracking_uri=uri, stages=resolved, source=str(path))
+
+
+# ---------------------------------------------------------------- inputs, before anything starts
+
+
+def _dataset_problem(source: str, splits: list[str]) -> str | None:
+    """Why the loader could not read `source` (a dataset folder, or local shard files), else None.
+    URLs and object storage are not checked here (the loader reports what it cannot open)."""
+    if "{" in source or "::" in source or source.endswith((".tar", ".tar.gz", ".tgz")) or _is_remote(source):
+        urls = [u.removeprefix("file:") for u in expand_urls(source) if not _is_remote(u)]
+        missing = [u for u in urls if not os.path.isfile(u)]
+        if missing:
+            return f"{len(missing)} of {len(urls)} local shard files not found, the first: {missing[0]}"
+        return None
+    root = Path(source)
+    if not root.exists():
+        return (
+            f"{root} does not exist: write a dataset there with `vitpipe shard`, or set data.synthetic "
+            "to generate one"
+        )
+    try:
+        manifest = read_manifest(root)
+    except DatasetError as exc:
+        return str(exc)
+    present = sorted({s.split for s in manifest.shards})
+    for split in splits:
+        if not manifest.split_shards(split):
+            return f"{root}: the manifest lists no shards for split {split!r} (it has: {', '.join(present)})"
+    return None
+
+
+def input_problems(target: Experiment | StageConfig) -> list[str]:
+    """Every stage's dataset that is missing, one line each: a local dataset folder needs its manifest
+    and the splits the stage reads (train; an eval stage's eval_split, and train_split for few-shot or the
+    probe); local shard files must exist. Skipped: URIs, and a folder a stage generates (data.synthetic)."""
+    stages = target.stages if isinstance(target, Experiment) else [(target.name, target)]
+    generated = {cfg.data.train for _, cfg in stages if cfg.data.synthetic is not None}
+    stages_with: dict[str, list[str]] = {}  # problem -> the stages it stops, in order
+    for name, cfg in stages:
+        if cfg.data.train in generated:
+            continue
+        e = cfg.eval
+        splits = ["train"] if cfg.kind == "train" else [e.eval_split]
+        if cfg.kind == "eval" and (e.fewshot_shots or e.linear_probe):
+            splits.append(e.train_split)
+        problem = _dataset_problem(cfg.data.train, splits)
+        if problem:
+            stages_with.setdefault(problem, []).append(name)
+    return [
+        f"stage{'s' * (len(names) > 1)} {', '.join(names)}: data.train: {problem}"
+        for problem, names in stages_with.items()
+    ]
+
+
+def check_inputs(target: Experiment | StageConfig) -> None:
+    """Raise a ConfigError listing every missing dataset. Entry points call it after loading the config
+    and before any worker, engine or cluster resource starts."""
+    problems = input_problems(target)
+    if problems:
+        source = target.source if isinstance(target, Experiment) else target.name
+        count = len(problems)
+        head = f"{source}: {count} input{'s' * (count > 1)} missing (checked before anything starts)"
+        raise ConfigError("\n  ".join([head, *problems]))
+
+
+# ---------------------------------------------------------------- the reference (docs/config.md)
+
+
+def _type_name(ann: Any) -> str:
+    """An annotation as the reader writes it: `int | None`, `Literal['a', 'b']`, `ModelConfig`."""
+    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if origin is Annotated:
+        return _type_name(args[0])
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in args)
+    if origin is Literal:
+        return f"Literal[{', '.join(repr(a) for a in args)}]"
+    if origin is not None:
+        inner = ", ".join("..." if a is Ellipsis else _type_name(a) for a in args)
+        return f"{getattr(origin, '__name__', str(origin))}[{inner}]"
+    if ann is type(None):
+        return "None"
+    if ann is Any:
+        return "Any"
+    if ann in _PARTIAL_OF:
+        return "stage keys" if ann is StageSettings else f"{_PARTIAL_OF[ann].__name__} keys"
+    return getattr(ann, "__name__", str(ann))
 
 
 def reference() -> str:
@@ -550,40 +945,34 @@ def reference() -> str:
     out = [
         "# Configuration reference",
         "",
-        "Generated by `python -m pipeline.config`; the schema is `pipeline/config.py`.",
+        "Generated by `python -m pipeline.config > docs/config.md` (a test checks it matches); the schema is",
+        "`pipeline/config.py`. A stage file (`vitpipe train`) holds the keys of one stage; an experiment file",
+        "(`vitpipe run`, `vitpipe submit`) holds `stages`, see the end.",
         "",
     ]
 
-    def section(title: str, model: type[BaseModel]) -> None:
+    def table(title: str, model: type[BaseModel], recurse: bool = True) -> None:
         out.extend([f"## `{title}`", "", "| key | type | default | meaning |", "|---|---|---|---|"])
         nested = []
         for name, field in model.model_fields.items():
-            ann = field.annotation
-            sub = next(
-                (
-                    a
-                    for a in (ann, *getattr(ann, "__args__", ()))
-                    if isinstance(a, type) and issubclass(a, BaseModel)
-                ),
-                None,
-            )
-            type_name = ann.__name__ if isinstance(ann, type) else str(ann).replace("typing.", "")
-            type_name = type_name.replace("|", "\\|")  # inside a Markdown table cell
+            sub = _inner(field.annotation)
             default = (
                 "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
             )
-            if sub is not None:
-                nested.append((f"{title}.{name}" if title != "experiment" else name, sub))
+            if recurse and isinstance(sub, type) and sub not in _PARTIAL_OF:
+                nested.append((f"{title}.{name}" if title != "stage" else name, sub))
                 default = "see below"
-            desc = (field.description or "").replace("|", "\\|")
-            out.append(f"| `{name}` | `{type_name}` | {default.replace('|', chr(92) + '|')} | {desc} |")
+            cells = [f"`{name}`", f"`{_type_name(field.annotation)}`", default, field.description or ""]
+            out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
         out.append("")
         for t, m in nested:
-            section(t, m)
+            table(t, m)
 
-    section("experiment", StageConfig)
-    out.extend(["## Multi-stage experiments", "", Experiment.__doc__ or ""])
-    return "\n".join(out)
+    table("stage", StageConfig)
+    doc = inspect.cleandoc(ExperimentFile.__doc__ or "")
+    out.extend(["# Multi-stage experiments", "", doc, ""])
+    table("experiment file", ExperimentFile, recurse=False)
+    return "\n".join(out).rstrip("\n")
 
 
 if __name__ == "__main__":

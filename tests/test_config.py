@@ -120,7 +120,11 @@ def test_multistage_experiment_takes_presets_and_names_stage_keys(tmp_path):
     assert a_name == "a" and a.deepspeed.zero_stage == 3 and a.optim.lr == 0.5  # preset + override
     assert b.deepspeed.zero_stage == 2 and b.model.init_from == str(e.run_path / "a" / "export")
     assert a.tracking.experiment == "e" and a.run_path == e.run_path / "a"
-    with pytest.raises(ConfigError, match=r"(?s)stages\.b: invalid config.*optim\.stpes: unknown key"):
+    # Caught in the file as written (the stage's key path), before any stage is merged.
+    with pytest.raises(
+        ConfigError,
+        match=r"exp\.yaml: invalid config.*\n  stages\.b\.optim\.stpes: unknown key; did you mean 'steps'",
+    ):
         load_experiment(exp, ["stages.b.optim.stpes=1"])
 
 
@@ -137,3 +141,152 @@ def test_a_distillation_teacher_may_name_an_earlier_stage(tmp_path):
     )
     with pytest.raises(ConfigError, match="teacher.weights: stage 'cvt' does not run before it"):
         load_experiment(cfg)
+
+
+# ---------------------------------------------------------------- the multi-stage file, typed
+
+
+def test_multistage_file_typos_name_the_key_path_with_did_you_mean(tmp_path):
+    p = write(
+        tmp_path,
+        "name: e\nstorge: s3://b\ndefaults: {data: {train: d}, optim: {stpes: 3}}\n"
+        "stages:\n  a: {seed: 3, modle: {name: vit_debug}}\n",
+    )
+    with pytest.raises(ConfigError) as err:
+        load_experiment(p)
+    msg = str(err.value)
+    assert msg.startswith(f"{p}: invalid config (4 problems)")
+    assert "  storge: unknown key; did you mean 'storage'?" in msg
+    assert "  defaults.optim.stpes: unknown key; did you mean 'steps'?" in msg
+    assert "  stages.a.modle: unknown key; did you mean 'model'?" in msg
+    assert "  stages.a.seed: not a stage key here: set seed once at the top of the file" in msg
+    # An override is checked the same way, and a misspelled `stages` in a file says what it may mean.
+    with pytest.raises(ConfigError, match=r"stages\.a\.optim\.lrr: unknown key; did you mean 'lr'"):
+        load_experiment(
+            write(tmp_path, "name: e\nstages:\n  a: {data: {train: d}}\n"), ["stages.a.optim.lrr=1"]
+        )
+    with pytest.raises(
+        ConfigError, match=r"stagse: unknown key; did you mean 'stages' \(a key of multi-stage"
+    ):
+        load_experiment(write(tmp_path, "name: e\ndata: {train: d}\nstagse: {a: {}}\n"))
+    with pytest.raises(ConfigError, match=r"stages: Dictionary should have at least 1 item"):
+        load_experiment(write(tmp_path, "name: e\nstages: {}\n"))
+    with pytest.raises(ConfigError, match=r"name: required key is missing"):
+        load_experiment(write(tmp_path, "stages: {a: {data: {train: d}}}\n"))
+
+
+def test_top_level_stage_sections_and_cluster_act_as_defaults(tmp_path):
+    p = write(
+        tmp_path,
+        "name: e\nseed: 7\ncluster: {num_workers: 3}\noptim: {steps: 9, warmup_steps: 1}\n"
+        "defaults: {data: {train: d}, optim: {lr: 0.5}}\n"
+        "stages:\n  a: {}\n  b: {optim: {steps: 4}, cluster: {num_workers: 1}}\n",
+    )
+    (_, a), (_, b) = load_experiment(p).stages
+    assert (a.seed, a.optim.steps, a.optim.lr, a.cluster.num_workers) == (7, 9, 0.5, 3)
+    assert (b.seed, b.optim.steps, b.optim.lr, b.cluster.num_workers) == (7, 4, 0.5, 1)
+
+
+# ---------------------------------------------------------------- models, per family, at load
+
+
+def test_unknown_model_name_fails_at_load_with_close_matches(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config(SMOKE, ["model.name=vit_b17"])
+    msg = str(err.value)
+    assert f"{SMOKE}: invalid config" in msg
+    assert "model.name: unknown model 'vit_b17'; did you mean 'vit_b16'" in msg
+    p = write(
+        tmp_path,
+        "name: e\nstages:\n  a: {data: {train: d}, objective: {name: distill, teacher: {model: cvt_dbg, weights: w}}}\n",
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"stages\.a: invalid config.*\n  objective\.teacher\.model: unknown model 'cvt_dbg'; did you mean 'cvt_debug'",
+    ):
+        load_experiment(p)
+
+
+def test_model_overrides_are_checked_against_the_family(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config(SMOKE, ["model.overrides.pool=gapp", "model.overrides.pos_embd=none"])
+    msg = str(err.value)
+    assert "model.overrides.pool: Input should be 'cls' or 'gap' (got 'gapp')" in msg
+    assert "model.overrides.pos_embd: not an option of vit_debug; did you mean 'pos_embed'?" in msg
+    # Options of the family: a Swin option is no ViT option; the encoder's options pass through SimMIM.
+    with pytest.raises(ConfigError, match=r"model\.overrides\.window_size: not an option of vit_debug"):
+        load_config(SMOKE, ["model.overrides.window_size=4"])
+    cfg = load_config(SMOKE, ["model.name=simmim_swin_debug", "model.overrides.window_size=2"])
+    assert cfg.model.overrides == {"window_size": 2}
+    # A combination the constructor refuses fails at load, naming the model and its arguments.
+    with pytest.raises(ConfigError, match=r"model: vit_debug\(img_size=30\) cannot be built: .*patch_size 8"):
+        load_config(SMOKE, ["model.img_size=30"])
+    with pytest.raises(
+        ConfigError, match=r"model: vit_debug\(img_size=32, pool='gap', distilled=True\) cannot"
+    ):
+        load_config(SMOKE, ["model.overrides={pool: gap, distilled: true}"])
+
+
+# ---------------------------------------------------------------- paths, resolved once at load
+
+
+def test_local_paths_are_absolute_after_load_and_uris_stay(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(SMOKE, ["run_dir=out/{name}", "model.init_from=exports/a"])
+    assert cfg.run_dir == str(tmp_path / "out" / "smoke") and cfg.run_path == tmp_path / "out" / "smoke"
+    assert cfg.data.train == str(tmp_path / "data" / "smoke")
+    assert cfg.model.init_from == str(tmp_path / "exports" / "a")
+    # A worker started in another directory reads the same paths back.
+    monkeypatch.chdir(tmp_path.parent)
+    assert validate_config(cfg.model_dump(mode="json")) == cfg
+    for uri in ("s3://bucket/ds", "pipe:aws s3 cp s3://b/x.tar -", "https://h/shard-{0..3}.tar"):
+        assert validate_config({"name": "x", "data": {"train": uri}}).data.train == uri
+    both = validate_config({"name": "x", "data": {"train": "a.tar::s3://b/c.tar"}}).data.train
+    assert both == f"{tmp_path.parent / 'a.tar'}::s3://b/c.tar"
+
+
+# ---------------------------------------------------------------- inputs, before anything starts
+
+
+def test_missing_dataset_is_reported_before_anything_starts(tmp_path, smoke_dataset):
+    from pipeline.config import check_inputs, input_problems
+
+    cfg = load_config(SMOKE, [f"data.train={tmp_path / 'nope'}", "data.synthetic=null"])
+    with pytest.raises(
+        ConfigError, match=r"(?s)1 input missing.*stage smoke: data\.train: .*nope does not exist"
+    ):
+        check_inputs(cfg)
+    assert input_problems(load_config(SMOKE, [f"data.train={tmp_path / 'nope'}"])) == []  # generated later
+    assert input_problems(load_config(SMOKE, ["data.train=s3://bucket/ds", "data.synthetic=null"])) == []
+    check_inputs(load_config(SMOKE, [f"data.train={smoke_dataset}", "data.synthetic=null"]))
+    shards = f"{smoke_dataset}/train/shard-{{000000..000009}}.tar"  # 8 of the 10 exist
+    problems = input_problems(load_config(SMOKE, [f"data.train={shards}", "data.synthetic=null"]))
+    assert problems and "2 of 10 local shard files not found" in problems[0]
+    # Every stage at once: the dataset lacks the val split an eval stage reads; a folder one stage
+    # generates (data.synthetic) counts as present for the others.
+    p = write(
+        tmp_path,
+        f"name: e\nrun_dir: {tmp_path / 'runs'}\nstages:\n"
+        f"  gen: {{data: {{train: {tmp_path / 'gen'}, synthetic: {{num: 32}}}}}}\n"
+        f"  a: {{data: {{train: {tmp_path / 'gen'}}}}}\n"
+        f"  b: {{data: {{train: {smoke_dataset}}}}}\n"
+        f"  ev: {{kind: eval, model: {{init_from: b, init_head: true}}, data: {{train: {smoke_dataset}}}}}\n",
+    )
+    with pytest.raises(ConfigError) as err:
+        check_inputs(load_experiment(p))
+    msg = str(err.value)
+    assert msg.count("\n  ") == 1 and "stage ev: data.train:" in msg
+    assert "the manifest lists no shards for split 'val'" in msg
+
+
+# ---------------------------------------------------------------- the reference
+
+
+def test_docs_config_md_is_the_generated_reference():
+    from pipeline.config import reference
+
+    doc = Path(__file__).parents[1] / "docs/config.md"
+    assert doc.read_text() == reference() + "\n", (
+        "regenerate: .venv/bin/python -m pipeline.config > docs/config.md"
+    )
+    assert "__main__" not in doc.read_text() and "FieldInfo" not in doc.read_text()
