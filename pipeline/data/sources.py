@@ -51,7 +51,8 @@ def epoch_batches(info: DatasetInfo, world_size: int, batch_size: int, num_worke
     return workers * (sum(sorted(info.shard_counts)[:per_slot]) // batch_size)
 
 
-def _is_url_source(source: Source) -> bool:
+def is_url_source(source: Source) -> bool:
+    """True for shard URLs (a list, a brace pattern, a URL, a .tar path); False for a dataset folder."""
     if not isinstance(source, (str, os.PathLike)):
         return True  # a list of URLs
     s = os.fspath(source)
@@ -90,7 +91,7 @@ def dataset_info(
     source: Source, split: str = "train", *, num_classes: int | None = None, multi_label: bool | None = None
 ) -> DatasetInfo:
     """Shard URLs and, where a manifest exists, exact counts: from a dataset folder or from URLs."""
-    if not _is_url_source(source):
+    if not is_url_source(source):
         root = Path(source)
         manifest = read_manifest(root)
         shards = manifest.split_shards(split)
