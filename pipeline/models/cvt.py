@@ -46,21 +46,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pipeline.models.layers import DropPath, MaskedImageModelling, Mlp, classify, init_linear_and_norm
+from pipeline.models.macs import conv_macs, conv_out, heads_macs, reject_mask_ratio
 from pipeline.models.registry import register
 
 # Convolutional token embedding of each stage (kernel, stride, padding), as in the official configs.
 EMBED_KERNELS, EMBED_STRIDES, EMBED_PADDINGS = (7, 3, 3), (4, 2, 2), (2, 1, 1)
-
-
-def _conv_out(size: int, kernel: int, stride: int, padding: int) -> int:
-    return (size + 2 * padding - kernel) // stride + 1
-
-
-def _conv_macs(conv: nn.Conv2d, hw: tuple[int, int]) -> tuple[int, tuple[int, int]]:
-    """MACs of a square, undilated Conv2d on an hw input (depthwise: in/groups per output), and its output hw."""
-    k, s, p = conv.kernel_size[0], conv.stride[0], conv.padding[0]
-    out = (_conv_out(hw[0], k, s, p), _conv_out(hw[1], k, s, p))
-    return conv.out_channels * (conv.in_channels // conv.groups) * k * k * out[0] * out[1], out
 
 
 class QuickGELU(nn.Module):
@@ -139,9 +129,9 @@ class ConvAttention(nn.Module):
     def forward_macs(self, hw: tuple[int, int]) -> int:
         """MACs on an hw token map (plus the prefix tokens): depthwise convs, linears, QK^T and AV."""
         P = self.num_prefix_tokens
-        conv_q, q_hw = _conv_macs(self.conv_proj_q.conv, hw)
-        conv_k, kv_hw = _conv_macs(self.conv_proj_k.conv, hw)
-        conv_v, _ = _conv_macs(self.conv_proj_v.conv, hw)
+        conv_q, q_hw = conv_macs(self.conv_proj_q.conv, hw)
+        conv_k, kv_hw = conv_macs(self.conv_proj_k.conv, hw)
+        conv_v, _ = conv_macs(self.conv_proj_v.conv, hw)
         n_q, n_kv = P + q_hw[0] * q_hw[1], P + kv_hw[0] * kv_hw[1]  # prefix tokens join q, k and v unsqueezed
         linears = (n_q + 2 * n_kv + n_q) * self.dim * self.dim  # proj_q, proj_k, proj_v, proj
         return conv_q + conv_k + conv_v + linears + 2 * n_q * n_kv * self.dim  # QK^T and AV over all heads
@@ -334,8 +324,8 @@ class ConvolutionalVisionTransformer(MaskedImageModelling, nn.Module):
         if self.mask_token is None:
             raise RuntimeError("forward_mim needs the model built with mask_token=True")
         B, _, H, W = x.shape
-        grid = (_conv_out(H, EMBED_KERNELS[0], EMBED_STRIDES[0], EMBED_PADDINGS[0]),
-                _conv_out(W, EMBED_KERNELS[0], EMBED_STRIDES[0], EMBED_PADDINGS[0]))  # fmt: skip
+        grid = (conv_out(H, EMBED_KERNELS[0], EMBED_STRIDES[0], EMBED_PADDINGS[0]),
+                conv_out(W, EMBED_KERNELS[0], EMBED_STRIDES[0], EMBED_PADDINGS[0]))  # fmt: skip
         if tuple(mask.shape) != (B, *grid):
             raise ValueError(
                 f"mask must be [B, H/{self.mim_patch_size}, W/{self.mim_patch_size}] = {[B, *grid]} "
@@ -347,22 +337,20 @@ class ConvolutionalVisionTransformer(MaskedImageModelling, nn.Module):
 
     # ------------------------------------------------------------------ FLOPs
 
-    def forward_macs(self, img_size: int | None = None) -> int:
+    def forward_macs(self, img_size: int | None = None, mask_ratio: float | None = None) -> int:
         """Forward multiply-accumulates for one image, from module shapes alone (works on meta).
 
         Counted: every convolution (the depthwise q/k/v projections at in/groups = 1 per output), every
         linear, QK^T and AV over the squeezed keys (the class token joins k and v unsqueezed), the heads.
         Left out: norms (incl. BatchNorm), softmax, activations, adds, biases.
         """
+        reject_mask_ratio(self, mask_ratio)
         size = self.img_size if img_size is None else img_size
         hw, macs = (size, size), 0
         for stage in self.stages:
-            m, hw = _conv_macs(stage.patch_embed.proj, hw)
+            m, hw = conv_macs(stage.patch_embed.proj, hw)
             macs += m + sum(blk.forward_macs(hw) for blk in stage.blocks)
-        for head in (self.head, self.head_dist):
-            if isinstance(head, nn.Linear):
-                macs += head.in_features * head.out_features
-        return macs
+        return macs + heads_macs(self)
 
 
 def _cvt(dims, depths, num_heads, /, **overrides) -> ConvolutionalVisionTransformer:

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.models.macs import conv_macs, conv_out, pair
+
 
 class StdConv2d(nn.Conv2d):
     """Weight-standardised convolution (BiT)."""
@@ -93,3 +95,39 @@ class HybridEmbed(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(self.backbone(x)).flatten(2).transpose(1, 2)  # [B, N, D]
+
+    def forward_macs(self, img_hw: tuple[int, int]) -> tuple[int, int]:
+        """(MACs, number of patch tokens): the ResNet's convolutions, then the 1x1 projection."""
+        macs, hw = _cnn_macs(self.backbone, img_hw)
+        proj, hw = conv_macs(self.proj, hw)
+        return macs + proj, hw[0] * hw[1]
+
+
+def _cnn_macs(module: nn.Module, hw: tuple[int, int]) -> tuple[int, tuple[int, int]]:
+    """Walk the ResNet in execution order, carrying the spatial size from layer to layer."""
+    if isinstance(module, nn.Conv2d):
+        return conv_macs(module, hw)
+    if isinstance(module, (nn.MaxPool2d, nn.AvgPool2d)):  # no MACs, but it shrinks the map
+        k, s, p = pair(module.kernel_size), pair(module.stride or module.kernel_size), pair(module.padding)
+        if getattr(module, "ceil_mode", False):
+            raise ValueError("ceil_mode pooling is not supported by the analytic count")
+        return 0, (conv_out(hw[0], k[0], s[0], p[0]), conv_out(hw[1], k[1], s[1], p[1]))
+    if isinstance(module, Bottleneck):
+        # The residual branch and the shortcut both start from the block's input.
+        macs, out = 0, hw
+        for conv in (module.conv1, module.conv2, module.conv3):
+            m, out = conv_macs(conv, out)
+            macs += m
+        if module.downsample is not None:
+            macs += _cnn_macs(module.downsample, hw)[0]
+        return macs, out
+    if isinstance(module, (nn.Sequential, ResNetStem)):
+        children = (module.stem, module.stages) if isinstance(module, ResNetStem) else module
+        macs = 0
+        for child in children:
+            m, hw = _cnn_macs(child, hw)
+            macs += m
+        return macs, hw
+    if any(isinstance(m, nn.Conv2d) for m in module.modules()):
+        raise TypeError(f"cannot count {type(module).__name__}: unknown container of convolutions")
+    return 0, hw  # norms and activations: no matmuls, same size

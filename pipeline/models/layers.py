@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.models.macs import conv_macs, linear_macs
 from pipeline.models.pos_embed import RelativePositionBias
 
 
@@ -71,6 +72,11 @@ class PatchEmbed(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.proj(x)  # [B, D, H/p, W/p]
         return x.flatten(2).transpose(1, 2)  # [B, N, D]
+
+    def forward_macs(self, img_hw: tuple[int, int]) -> tuple[int, int]:
+        """(MACs, number of patch tokens) on an image of size img_hw."""
+        macs, hw = conv_macs(self.proj, img_hw)
+        return macs, hw[0] * hw[1]
 
 
 class Attention(nn.Module):
@@ -164,3 +170,17 @@ class Block(nn.Module):
         attn_bias = self.rel_pos() if self.rel_pos is not None else None
         x = x + self.drop_path(self.ls1(self.attn(self.norm1(x), attn_bias)))
         return x + self.drop_path(self.ls2(self.mlp(self.norm2(x))))
+
+    def forward_macs(self, tokens: int) -> int:
+        """MACs on `tokens` tokens: qkv, QK^T, AV, proj, fc1, fc2 (the relative position bias is an add)."""
+        attn, mlp = self.attn, self.mlp
+        inner = attn.qkv.out_features // 3  # heads x head_dim
+        # QK^T [T, d] x [d, T] and AV [T, T] x [T, d], summed over heads
+        attention = 2 * tokens * tokens * inner
+        return (
+            linear_macs(attn.qkv, tokens)
+            + attention
+            + linear_macs(attn.proj, tokens)
+            + linear_macs(mlp.fc1, tokens)
+            + linear_macs(mlp.fc2, tokens)
+        )

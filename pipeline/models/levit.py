@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pipeline.models.layers import DropPath, classify
+from pipeline.models.macs import reject_mask_ratio
 from pipeline.models.registry import register
 
 
@@ -457,12 +458,13 @@ class Levit(nn.Module):
 
     # ------------------------------------------------------------------ FLOPs
 
-    def forward_macs(self, img_size: int | None = None) -> int:
+    def forward_macs(self, img_size: int | None = None, mask_ratio: float | None = None) -> int:
         """Forward multiply-accumulates for one image from the module shapes (works on meta).
 
         Counts the stem convolutions, every Linear, QK^T and AV, and the heads; BatchNorm, Hardswish,
         softmax, the bias add and pooling are left out, so fuse() does not change the count.
         """
+        reject_mask_ratio(self, mask_ratio)
         macs, res = self.stem.macs(self.img_size if img_size is None else img_size)
         for stage in self.stages:
             for layer in stage.layers():

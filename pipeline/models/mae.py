@@ -18,9 +18,10 @@ import torch
 from torch import nn
 
 from pipeline.models.layers import Block
+from pipeline.models.macs import kept_patches, linear_macs
 from pipeline.models.pos_embed import sincos_2d
 from pipeline.models.registry import register
-from pipeline.models.vit import VisionTransformer
+from pipeline.models.vit import VIT_SHAPES, VisionTransformer
 
 
 def patchify(imgs: torch.Tensor, patch_size: int) -> torch.Tensor:
@@ -60,10 +61,8 @@ def random_masking(
     Returns the kept tokens [B, N_keep, D], the mask [B, N] (0 is keep, 1 is remove) and `ids_restore`
     [B, N], the permutation that puts a shuffled sequence back in patch order.
     """
-    if not 0.0 <= mask_ratio < 1.0:
-        raise ValueError(f"mask_ratio must be in [0, 1), got {mask_ratio}")
     B, N, D = x.shape
-    len_keep = int(N * (1 - mask_ratio))
+    len_keep = kept_patches(N, mask_ratio)
     # Draw on the generator's own device (a CPU generator cannot fill a CUDA tensor), then move:
     # the mask then depends only on the seed, not on where the model runs.
     device = generator.device if generator is not None else x.device
@@ -229,6 +228,19 @@ class MaskedAutoencoderViT(nn.Module):
         pred = self.forward_decoder(latent, ids_restore)
         return self.forward_loss(imgs, pred, mask), pred, mask
 
+    # ------------------------------------------------------------------ FLOPs
+
+    def forward_macs(self, img_size: int | None = None, mask_ratio: float | None = None) -> int:
+        """Forward multiply-accumulates for one image: the encoder on the visible tokens, the decoder on all
+        of them (mask tokens filled in). `mask_ratio` None means the model's own."""
+        ratio = self.mask_ratio if mask_ratio is None else mask_ratio
+        macs, n = self.encoder.encoder_macs(img_size, ratio)  # pretraining has no classifier
+        prefix = self.encoder.num_prefix_tokens
+        visible, full = prefix + kept_patches(n, ratio), prefix + n
+        macs += linear_macs(self.decoder_embed, visible)  # before the mask tokens are appended
+        macs += sum(blk.forward_macs(full) for blk in self.decoder_blocks)
+        return macs + linear_macs(self.decoder_pred, full)  # predicts on every token, then drops the prefix
+
     # ------------------------------------------------------------------ export
 
     def export_encoder(
@@ -278,37 +290,30 @@ class MaskedAutoencoderViT(nn.Module):
 
 # ---------------------------------------------------------------------- registered variants
 
-_DEBUG = dict(img_size=32, patch_size=8, embed_dim=64, depth=4, num_heads=4, mlp_dim=128,
-              decoder_embed_dim=32, decoder_depth=2, decoder_num_heads=4, decoder_mlp_dim=128)  # fmt: skip
-# The paper's decoder for every encoder size: 8 blocks, width 512, 16 heads, MLP 4x.
+# The paper's decoder for every encoder size: 8 blocks, width 512, 16 heads, MLP 4x; the debug size a 2x32 one.
 _DECODER = dict(decoder_embed_dim=512, decoder_depth=8, decoder_num_heads=16, decoder_mlp_dim=2048)
-
-
-# Encoder shapes of the ViT paper (Table 1); the same names as `vit_b16`, `vit_l16`, `vit_h14`.
-_B16 = dict(patch_size=16, embed_dim=768, depth=12, num_heads=12, mlp_dim=3072)
-_L16 = dict(patch_size=16, embed_dim=1024, depth=24, num_heads=16, mlp_dim=4096)
-_H14 = dict(patch_size=14, embed_dim=1280, depth=32, num_heads=16, mlp_dim=5120)
+_DEBUG_DECODER = dict(decoder_embed_dim=32, decoder_depth=2, decoder_num_heads=4, decoder_mlp_dim=128)
 
 
 @register
 def mae_vit_debug(**kw) -> MaskedAutoencoderViT:
     """Tiny MAE for tests: 32px images, 8px patches, encoder 4x64, decoder 2x32."""
-    return MaskedAutoencoderViT(**{**_DEBUG, **kw})
+    return MaskedAutoencoderViT(**{**VIT_SHAPES["debug"], **_DEBUG_DECODER, **kw})
 
 
 @register
 def mae_vit_b16(**kw) -> MaskedAutoencoderViT:
-    return MaskedAutoencoderViT(**{**_B16, **_DECODER, **kw})
+    return MaskedAutoencoderViT(**{**VIT_SHAPES["b16"], **_DECODER, **kw})
 
 
 @register
 def mae_vit_l16(**kw) -> MaskedAutoencoderViT:
-    return MaskedAutoencoderViT(**{**_L16, **_DECODER, **kw})
+    return MaskedAutoencoderViT(**{**VIT_SHAPES["l16"], **_DECODER, **kw})
 
 
 @register
 def mae_vit_h14(**kw) -> MaskedAutoencoderViT:
-    return MaskedAutoencoderViT(**{**_H14, **_DECODER, **kw})
+    return MaskedAutoencoderViT(**{**VIT_SHAPES["h14"], **_DECODER, **kw})
 
 
 __all__ = ["MaskedAutoencoderViT", "patchify", "random_masking", "unpatchify"]

@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.models.macs import linear_macs
 from pipeline.models.registry import register
-from pipeline.models.vit import VisionTransformer
+from pipeline.models.vit import VIT_SHAPES, VisionTransformer
 
 # What happened to each patch, as returned by `corrupt_patches`.
 CLEAN, MASKED, SWAPPED, KEPT = 0, 1, 2, 3
@@ -139,6 +140,13 @@ class MaskedPatchPredictionViT(nn.Module):
         loss = F.cross_entropy(logits[corrupted].float(), targets[corrupted])
         return loss, logits, corrupted
 
+    def forward_macs(self, img_size: int | None = None, mask_ratio: float | None = None) -> int:
+        """Forward multiply-accumulates for one image: the encoder on every token, the head on every patch."""
+        if mask_ratio:
+            raise ValueError("masked patch prediction corrupts patches, it does not drop them: no mask_ratio")
+        macs, n = self.encoder.encoder_macs(img_size)
+        return macs + linear_macs(self.head, n)
+
     def export_encoder(self, num_classes: int | None = None) -> VisionTransformer:
         """A copy of the pretrained ViT with a fresh zero-initialised classifier, ready to fine-tune."""
         vit = copy.deepcopy(self.encoder)
@@ -153,26 +161,21 @@ class MaskedPatchPredictionViT(nn.Module):
 # ---------------------------------------------------------------------- registered variants
 
 
-_DEBUG = dict(img_size=32, patch_size=8, embed_dim=64, depth=4, num_heads=4, mlp_dim=128)
-_B16 = dict(patch_size=16, embed_dim=768, depth=12, num_heads=12, mlp_dim=3072)
-_L16 = dict(patch_size=16, embed_dim=1024, depth=24, num_heads=16, mlp_dim=4096)
-
-
 @register
 def mpp_vit_debug(**kw) -> MaskedPatchPredictionViT:
     """Tiny masked-patch-prediction ViT for tests: 32px images, 8px patches, 4 blocks of width 64."""
-    return MaskedPatchPredictionViT(**{**_DEBUG, **kw})
+    return MaskedPatchPredictionViT(**{**VIT_SHAPES["debug"], **kw})
 
 
 @register
 def mpp_vit_b16(**kw) -> MaskedPatchPredictionViT:
     """The paper's setting: ViT-B/16."""
-    return MaskedPatchPredictionViT(**{**_B16, **kw})
+    return MaskedPatchPredictionViT(**{**VIT_SHAPES["b16"], **kw})
 
 
 @register
 def mpp_vit_l16(**kw) -> MaskedPatchPredictionViT:
-    return MaskedPatchPredictionViT(**{**_L16, **kw})
+    return MaskedPatchPredictionViT(**{**VIT_SHAPES["l16"], **kw})
 
 
 __all__ = ["MaskedPatchPredictionViT", "corrupt_patches", "mean_colour_classes"]

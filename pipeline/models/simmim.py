@@ -22,7 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.models import cvt, swin, tnt  # noqa: F401  (registers the encoders)
+import pipeline.models.cvt  # noqa: F401  (registers the encoders SimMIM builds by name)
+import pipeline.models.swin  # noqa: F401
+import pipeline.models.tnt  # noqa: F401
+from pipeline.models.macs import reject_mask_ratio
 from pipeline.models.registry import create_model, register
 
 
@@ -89,7 +92,9 @@ class SimMIM(nn.Module):
         loss = (l1 * weight).sum() / (weight.sum() * self.in_chans + 1e-5)
         return loss, rec, mask
 
-    def forward_macs(self, img_size: int | None = None) -> int:
+    def forward_macs(self, img_size: int | None = None, mask_ratio: float | None = None) -> int:
+        """The encoder on every token (masked ones replaced, none dropped), then the 1x1 decoder conv."""
+        reject_mask_ratio(self, mask_ratio)
         size = img_size or self.img_size
         stride = self.encoder.mim_stride
         decoder = self.decoder[0]

@@ -39,6 +39,7 @@ from pipeline.models.layers import (
     classify,
     init_linear_and_norm,
 )
+from pipeline.models.macs import heads_macs, reject_mask_ratio
 from pipeline.models.registry import register
 
 MASK_VALUE = -100.0  # the official code's "minus infinity": exp(-100) is 0 in fp16/bf16, no NaN on full rows
@@ -376,7 +377,7 @@ class SwinTransformer(MaskedImageModelling, nn.Module):
 
     # ------------------------------------------------------------------ FLOPs
 
-    def forward_macs(self, img_size: int | None = None) -> int:
+    def forward_macs(self, img_size: int | None = None, mask_ratio: float | None = None) -> int:
         """Forward multiply-accumulates for one image, from module shapes (never runs forward; meta-safe).
 
         Counts the patch conv, qkv / proj / fc1 / fc2, QK^T and AV in every window, patch merging and the
@@ -384,6 +385,7 @@ class SwinTransformer(MaskedImageModelling, nn.Module):
         GELU, bias gathers and pooling are left out. `img_size` counts the model this one would be at that
         size (same weights, windows clipped and padded for that grid).
         """
+        reject_mask_ratio(self, mask_ratio)
         size = self.img_size if img_size is None else img_size
         if size % self.patch_size:
             raise ValueError(f"img_size {size} is not a multiple of the patch size {self.patch_size}")
@@ -412,10 +414,7 @@ class SwinTransformer(MaskedImageModelling, nn.Module):
                 H, W = (H + 1) // 2, (W + 1) // 2
                 red = layer.downsample.reduction
                 macs += H * W * red.in_features * red.out_features
-        for head in (self.head, self.head_dist):
-            if isinstance(head, nn.Linear):
-                macs += head.in_features * head.out_features
-        return macs
+        return macs + heads_macs(self)
 
 
 # ---------------------------------------------------------------------- registered variants

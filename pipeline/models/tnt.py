@@ -34,14 +34,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pipeline.models.layers import Block, MaskedImageModelling, classify, init_linear_and_norm
+from pipeline.models.macs import conv_out, heads_macs, reject_mask_ratio
 from pipeline.models.registry import register
 
 # The word convolution of the paper: kernel 7, padding 3, stride `inner_stride` inside each patch.
 _WORD_KERNEL, _WORD_PADDING = 7, 3
-
-
-def _conv_out(size: int, kernel: int, stride: int, padding: int) -> int:
-    return (size + 2 * padding - kernel) // stride + 1
 
 
 class PixelEmbed(nn.Module):
@@ -54,7 +51,7 @@ class PixelEmbed(nn.Module):
         self.img_size, self.patch_size, self.in_chans = img_size, patch_size, in_chans
         self.grid_size = (img_size // patch_size, img_size // patch_size)
         self.num_patches = self.grid_size[0] * self.grid_size[1]
-        side = _conv_out(patch_size, _WORD_KERNEL, stride, _WORD_PADDING)  # 4 for p=16, stride 4
+        side = conv_out(patch_size, _WORD_KERNEL, stride, _WORD_PADDING)  # 4 for p=16, stride 4
         self.words_size = (side, side)
         self.num_words = side * side
         self.proj = nn.Conv2d(in_chans, inner_dim, _WORD_KERNEL, stride=stride, padding=_WORD_PADDING)
@@ -248,10 +245,9 @@ class TNT(MaskedImageModelling, nn.Module):
 
     # ------------------------------------------------------------------ FLOPs
 
-    def forward_macs(self, img_size: int | None = None) -> int:
+    def forward_macs(self, img_size: int | None = None, mask_ratio: float | None = None) -> int:
         """Forward multiply-accumulates for one image, from module shapes (works on the meta device)."""
-        from pipeline.models.flops import block_macs  # here: flops imports the registry at module level
-
+        reject_mask_ratio(self, mask_ratio)
         pe = self.pixel_embed
         p = pe.patch_size
         side = pe.img_size if img_size is None else img_size
@@ -259,20 +255,17 @@ class TNT(MaskedImageModelling, nn.Module):
             raise ValueError(f"img_size {side} is not a multiple of the patch size {p}")
         n = (side // p) ** 2
         conv = pe.proj
-        k_side = _conv_out(p, conv.kernel_size[0], conv.stride[0], conv.padding[0])
+        k_side = conv_out(p, conv.kernel_size[0], conv.stride[0], conv.padding[0])
         words = k_side * k_side
         macs = n * conv.out_channels * conv.in_channels * conv.kernel_size[0] * conv.kernel_size[1] * words
         wtp = self.words_to_patch.proj
         macs += n * wtp.in_features * wtp.out_features
         tokens = self.num_prefix_tokens + n
         for blk in self.blocks:
-            macs += n * block_macs(blk.inner, words)  # one inner sequence of `words` tokens per patch
+            macs += n * blk.inner.forward_macs(words)  # one inner sequence of `words` tokens per patch
             macs += n * blk.words_to_patch.proj.in_features * blk.words_to_patch.proj.out_features
-            macs += block_macs(blk.outer, tokens)
-        for head in (self.head, self.head_dist):
-            if isinstance(head, nn.Linear):
-                macs += head.in_features * head.out_features
-        return macs
+            macs += blk.outer.forward_macs(tokens)
+        return macs + heads_macs(self)
 
 
 def _tnt(

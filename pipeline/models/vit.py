@@ -3,6 +3,8 @@
 Single-device PyTorch. Parameter names follow the layout timm, DeiT and MAE publish
 (`patch_embed.proj`, `cls_token`, `dist_token`, `pos_embed`, `blocks.N.attn.qkv`, `norm`, `fc_norm`,
 `head`, `head_dist`), so their state dicts map one to one (see `convert.py`).
+
+`VIT_SHAPES` is the one table of ViT sizes: `vit_*` here, `mae_vit_*` and `mpp_vit_*` are built from it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,25 @@ from torch.utils.checkpoint import checkpoint
 
 from pipeline.models.hybrid import HybridEmbed
 from pipeline.models.layers import Block, PatchEmbed, classify, init_linear_and_norm
+from pipeline.models.macs import heads_macs, kept_patches
 from pipeline.models.pos_embed import POS_EMBED_KINDS, resample_abs_pos_embed, sincos_2d
+from pipeline.models.registry import register
+
+# Width, depth, heads, MLP size and patch of the ViT paper's models (Table 1; G/14 from Zhai et al. 2022),
+# named as the registered models are (vit_b16, mae_vit_b16, mpp_vit_b16). "debug" is the tiny size every
+# test and smoke run uses; it also sets its 32px image size.
+VIT_SHAPES: dict[str, dict] = {
+    "debug": dict(img_size=32, patch_size=8, embed_dim=64, depth=4, num_heads=4, mlp_dim=128),
+    "ti16": dict(patch_size=16, embed_dim=192, depth=12, num_heads=3, mlp_dim=768),
+    "s16": dict(patch_size=16, embed_dim=384, depth=12, num_heads=6, mlp_dim=1536),
+    "b16": dict(patch_size=16, embed_dim=768, depth=12, num_heads=12, mlp_dim=3072),
+    "b32": dict(patch_size=32, embed_dim=768, depth=12, num_heads=12, mlp_dim=3072),
+    "l16": dict(patch_size=16, embed_dim=1024, depth=24, num_heads=16, mlp_dim=4096),
+    "l32": dict(patch_size=32, embed_dim=1024, depth=24, num_heads=16, mlp_dim=4096),
+    "h14": dict(patch_size=14, embed_dim=1280, depth=32, num_heads=16, mlp_dim=5120),
+    "g14": dict(patch_size=14, embed_dim=1408, depth=40, num_heads=16, mlp_dim=6144),
+    "G14": dict(patch_size=14, embed_dim=1664, depth=48, num_heads=16, mlp_dim=8192),
+}
 
 
 class VisionTransformer(nn.Module):
@@ -170,6 +190,28 @@ class VisionTransformer(nn.Module):
     def forward(self, x: torch.Tensor):
         return self.forward_head(self.forward_features(x))
 
+    # ------------------------------------------------------------------ FLOPs
+
+    def encoder_macs(self, img_size: int | None = None, mask_ratio: float = 0.0) -> tuple[int, int]:
+        """(MACs without the heads, patch count): the patch embedding on every patch, the blocks on the
+        prefix tokens and the `kept_patches` (MAE's encoder drops the rest). Meta-safe, nothing runs."""
+        if img_size is None:
+            (gh, gw), p = self.grid_size, self.patch_embed.patch_size
+            img_hw = (gh * p, gw * p)
+        else:
+            img_hw = (img_size, img_size)
+        macs, n = self.patch_embed.forward_macs(img_hw)
+        tokens = self.num_prefix_tokens + kept_patches(n, mask_ratio)
+        return macs + sum(blk.forward_macs(tokens) for blk in self.blocks), n
+
+    def forward_macs(self, img_size: int | None = None, mask_ratio: float | None = None) -> int:
+        """Forward multiply-accumulates for one image; a `mask_ratio` runs the blocks on the kept tokens only.
+
+        Counted: the patch embedding (or the hybrid ResNet and its 1x1 projection), qkv and proj, QK^T and
+        AV, the MLPs and the heads, one pooled vector each.
+        """
+        return self.encoder_macs(img_size, mask_ratio or 0.0)[0] + heads_macs(self)
+
     # ------------------------------------------------------------------ resolution change
 
     def set_grid(self, img_size: int) -> None:
@@ -194,3 +236,69 @@ class VisionTransformer(nn.Module):
         elif self.pos_embed_kind == "relative":
             for blk in self.blocks:
                 blk.rel_pos.resample(new)
+
+
+# ---------------------------------------------------------------------- registered variants
+
+
+def _vit(shape: str, /, **overrides) -> VisionTransformer:
+    # Any shape field may be overridden (create_model("vit_b16", depth=2)).
+    return VisionTransformer(**{**VIT_SHAPES[shape], **overrides})
+
+
+@register
+def vit_debug(**kw):
+    """Tiny ViT for tests and smoke runs: 32px images, 8px patches, 4 blocks of width 64."""
+    return _vit("debug", **kw)
+
+
+@register
+def vit_ti16(**kw):
+    return _vit("ti16", **kw)
+
+
+@register
+def vit_s16(**kw):
+    return _vit("s16", **kw)
+
+
+@register
+def vit_b16(**kw):
+    return _vit("b16", **kw)
+
+
+@register
+def vit_b32(**kw):
+    return _vit("b32", **kw)
+
+
+@register
+def vit_l16(**kw):
+    return _vit("l16", **kw)
+
+
+@register
+def vit_l32(**kw):
+    return _vit("l32", **kw)
+
+
+@register
+def vit_h14(**kw):
+    return _vit("h14", **kw)
+
+
+@register
+def vit_g14(**kw):
+    return _vit("g14", **kw)
+
+
+@register
+def vit_G14(**kw):
+    """ViT-G/14 of "Scaling Vision Transformers" (Zhai et al. 2022): width 1664, depth 48, MLP 8192, 16 heads."""
+    return _vit("G14", **kw)
+
+
+@register
+def vit_r50_b16(**kw):
+    """R50+ViT-B/16 hybrid: ResNet-50 stages (3, 4, 9) at stride 16 feed 1x1 patches into ViT-B."""
+    return _vit("b16", **{"hybrid_layers": (3, 4, 9), **kw})
