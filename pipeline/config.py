@@ -41,6 +41,7 @@ from webdataset.shardlists import expand_urls
 from data_prep import atomic
 from data_prep.layout import DatasetError, read_manifest
 from pipeline.models import create_model, list_models
+from pipeline.models.flops import H100_BF16_PEAK_FLOPS
 
 
 class ConfigError(ValueError):
@@ -247,7 +248,9 @@ class TrackingConfig(_Section):
     experiment: str | None = Field(None, description="MLflow experiment name; null means the config's name.")
     log_every: int = Field(1, gt=0, description="Log metrics every N steps.")
     peak_tflops: float = Field(
-        989.0, gt=0.0, description="Per-device peak for MFU (H100/H200 dense bf16: 989)."
+        H100_BF16_PEAK_FLOPS / 1e12,
+        gt=0.0,
+        description=f"Per-device peak for MFU (H100/H200 dense bf16: {H100_BF16_PEAK_FLOPS / 1e12:g}).",
     )
     system_metrics: bool = Field(True, description="Log CPU, memory (and GPU) use with MLflow's sampler.")
 

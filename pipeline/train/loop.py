@@ -27,7 +27,7 @@ from pipeline.config import StageConfig
 from pipeline.data.loader import make_train_loader
 from pipeline.data.sources import dataset_info
 from pipeline.models import create_model
-from pipeline.models.flops import flops_per_image
+from pipeline.models.flops import estimate_mfu, flops_per_image
 from pipeline.objectives import build_objective
 from pipeline.stage import init_weights, model_kwargs, open_stage
 from pipeline.train import checkpoint
@@ -215,9 +215,10 @@ def train(cfg: StageConfig, report: Callable[[dict], None] | None = None,
                 if gnorm is not None:
                     values["train/grad_norm"] = float(gnorm)
                 if flops_img:
-                    tflops = 3 * flops_img * images_per_s / ctx.world_size / 1e12  # training = 3x forward
-                    values["perf/tflops_per_device"] = tflops
-                    values["perf/mfu"] = tflops / cfg.tracking.peak_tflops
+                    per_device = images_per_s / ctx.world_size
+                    step_flops = 3 * flops_img  # training = 3x forward (flops_per_train_step)
+                    values["perf/tflops_per_device"] = step_flops * per_device / 1e12
+                    values["perf/mfu"] = estimate_mfu(step_flops, per_device, cfg.tracking.peak_tflops * 1e12)
                 tracker.log_metrics(values, step=done)
                 t_log, steps_since_log = now, 0
                 if ctx.is_main and progress_due(done, cfg.optim.steps, last_printed, now - t_print):
