@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import pydantic
-import torch
 import yaml
 from pydantic import (
     BaseModel,
@@ -36,11 +35,9 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from webdataset.shardlists import expand_urls
 
 from data_prep import atomic
 from data_prep.layout import DatasetError, read_manifest
-from pipeline.models import create_model, list_models
 from pipeline.models.flops import H100_BF16_PEAK_FLOPS
 
 
@@ -577,6 +574,22 @@ def _one_of(names: list[str]) -> str:
     return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
 
 
+def _models() -> types.ModuleType:
+    """The model registry, imported when a config is first checked: it loads torch (seconds), which the
+    commands that import this module only for its types (`vitpipe --help`, `jobs`, `compare`) skip."""
+    import pipeline.models  # heavy (torch), and needed only to check a loaded config: see the docstring
+
+    return pipeline.models
+
+
+def _build_on_meta(name: str, **kwargs: Any) -> Any:
+    """Build registered model `name` on the meta device: every constructor check runs, no memory, no init."""
+    import torch  # heavy: see _models
+
+    with torch.device("meta"):
+        return _models().create_model(name, **kwargs)
+
+
 @functools.cache
 def model_options(name: str) -> dict[str, inspect.Parameter]:
     """The keyword options `create_model(name, **options)` accepts, annotations resolved to types.
@@ -585,8 +598,7 @@ def model_options(name: str) -> dict[str, inspect.Parameter]:
     the meta device: no memory, no init work) and, where that constructor passes `**kwargs` on to its
     `encoder` (masked-patch prediction's ViT, SimMIM's encoder), from the encoder's constructor too.
     """
-    with torch.device("meta"):
-        model = create_model(name)
+    model = _build_on_meta(name)
     options: dict[str, inspect.Parameter] = {}
     while True:
         cls = type(model)
@@ -599,9 +611,7 @@ def model_options(name: str) -> dict[str, inspect.Parameter]:
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in options:
                 options[p.name] = p.replace(annotation=hints.get(p.name, p.annotation))
         inner = getattr(model, "encoder", None)
-        if not any(p.kind == p.VAR_KEYWORD for p in params.values()) or not isinstance(
-            inner, torch.nn.Module
-        ):
+        if inner is None or not any(p.kind == p.VAR_KEYWORD for p in params.values()):
             return options
         model = inner
 
@@ -630,7 +640,7 @@ def model_problems(
     refuses (an image size the patch size does not divide, a pooling the distillation token cannot use)
     fails here rather than in every worker.
     """
-    models = list_models()
+    models = _models().list_models()
     if name not in models:
         close = difflib.get_close_matches(name, models, n=4, cutoff=0.6)
         hint = f"did you mean {_one_of(close)}?" if close else f"registered: {', '.join(models)}"
@@ -662,8 +672,7 @@ def model_problems(
         **overrides,
     }
     try:
-        with torch.device("meta"):
-            create_model(name, **kwargs)
+        _build_on_meta(name, **kwargs)
     except Exception as exc:  # whatever the constructor raises is the user's answer, with the keys named
         shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
         return [f"{where}: {name}({shown}) cannot be built: {type(exc).__name__}: {exc}"]
@@ -863,6 +872,8 @@ def _dataset_problem(source: str, splits: list[str]) -> str | None:
     """Why the loader could not read `source` (a dataset folder, or local shard files), else None.
     URLs and object storage are not checked here (the loader reports what it cannot open)."""
     if "{" in source or "::" in source or source.endswith((".tar", ".tar.gz", ".tgz")) or _is_remote(source):
+        from webdataset.shardlists import expand_urls  # heavy (it imports torch): see _models
+
         urls = [u.removeprefix("file:") for u in expand_urls(source) if not _is_remote(u)]
         missing = [u for u in urls if not os.path.isfile(u)]
         if missing:
@@ -976,6 +987,16 @@ def reference() -> str:
     out.extend(["# Multi-stage experiments", "", doc, ""])
     table("experiment file", ExperimentFile, recurse=False)
     return "\n".join(out).rstrip("\n")
+
+
+# Names that changed to say stage vs experiment: the old one is refused with the new one.
+_RENAMED = {"ExperimentConfig": "StageConfig (one stage's config; an experiment of stages is Experiment)"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RENAMED:  # ImportError, so `from pipeline.config import ExperimentConfig` shows this text
+        raise ImportError(f"pipeline.config.{name} is now {_RENAMED[name]}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":

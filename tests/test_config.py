@@ -290,3 +290,8 @@ def test_docs_config_md_is_the_generated_reference():
         "regenerate: .venv/bin/python -m pipeline.config > docs/config.md"
     )
     assert "__main__" not in doc.read_text() and "FieldInfo" not in doc.read_text()
+
+
+def test_the_old_name_of_the_stage_config_is_refused_with_the_new_one():
+    with pytest.raises(ImportError, match=r"ExperimentConfig is now StageConfig"):
+        from pipeline.config import ExperimentConfig  # noqa: F401
