@@ -23,6 +23,9 @@ from torch import nn
 
 from pipeline.config import ObjectiveConfig
 from pipeline.data.transforms import mixup_cutmix, normalize
+from pipeline.models import create_model
+from pipeline.models.masked_patch import mean_colour_classes
+from pipeline.train.export import load_exported  # the teacher: a folder, a .safetensors file or a storage URI
 
 
 class Objective(Protocol):
@@ -162,8 +165,6 @@ class MaskedPatchPrediction:
         pass
 
     def loss(self, model, batch):
-        from pipeline.models.masked_patch import mean_colour_classes
-
         images = _pixels(model, batch["image"])
         targets = mean_colour_classes(batch["image"], _unwrap(model).patch_size)  # [B, N]
         loss, logits, corrupted = model(images, targets, generator=_generator(batch, images.device))
@@ -186,9 +187,6 @@ class Distillation:
         return {"num_classes": num_classes, "distilled": True}
 
     def prepare(self, model, device) -> None:
-        from pipeline.models import create_model
-        from pipeline.train.export import load_exported  # a folder, a .safetensors file or a storage URI
-
         t = self.cfg.teacher
         _unwrap(model).distilled_training = True  # the student returns (class, distillation) logits
         kwargs = {"num_classes": _unwrap(model).num_classes, **t.overrides}

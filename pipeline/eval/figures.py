@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from matplotlib.figure import Figure
 from torch import nn
 
+from pipeline.compare import open_client, plot_metric  # MLflow reads live in compare
 from pipeline.models.analysis import mean_attention_distance, patch_embed_components, pos_embed_similarity
 from pipeline.tracking import RUN_ID_FILE, read_run_id
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure  # loaded by pipeline.models.analysis only when it draws
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +81,6 @@ def source_stage_dir(init_from: str | Path) -> Path:
 def source_loss_curve(init_from: str | Path, tracking_uris: list[str], out: Path) -> Path | str:
     """Plot train/loss of the run that produced `init_from` (read from MLflow through the stage's
     mlflow_run.json); returns the PNG, or why there is none. The first store that holds the run wins."""
-    from pipeline.compare import open_client, plot_metric  # MLflow reads live in compare
-
     run_file = source_stage_dir(init_from) / RUN_ID_FILE  # beside the stage's export/
     run_id = read_run_id(run_file)
     if run_id is None:

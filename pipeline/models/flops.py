@@ -15,11 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pipeline.hardware import H100_BF16_PEAK_FLOPS
 from pipeline.models.registry import create_model
-
-# NVIDIA H100 / H200 SXM dense bf16 peak per device (no sparsity): the one definition, the default of
-# `estimate_mfu` and of the config's `tracking.peak_tflops`.
-H100_BF16_PEAK_FLOPS = 989e12
 
 
 def _build(name: str, img_size: int | None, overrides: dict) -> nn.Module:
