@@ -11,7 +11,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from pipeline.models import create_model
+from pipeline.models import create_model, list_models
 from pipeline.models.flops import estimate_mfu, flops_per_image, flops_per_train_step
 
 pytestmark = pytest.mark.unit
@@ -169,3 +169,29 @@ def test_masked_patch_prediction_flops_match_flop_counter():
     assert analytic == vit - 2 * 64 * 1000 + head
     with pytest.raises(ValueError, match="mask_ratio"):
         flops_per_image(model, mask_ratio=0.5)
+
+
+# ---------------------------------------------------------------------- every family counts itself
+
+
+@pytest.mark.parametrize("name", list_models())
+def test_every_registered_model_counts_its_own_forward(name):
+    """A new family is counted without flops.py knowing it: the model class answers forward_macs."""
+    with torch.device("meta"):
+        model = create_model(name)
+    macs = type(model).forward_macs(model)  # defined on the class, not patched on
+    assert isinstance(macs, int) and macs > 0
+    assert flops_per_image(model) == 2 * macs == flops_per_image(name)
+
+
+def _shape(vit) -> tuple:
+    blk = vit.blocks[0]
+    return vit.embed_dim, vit.depth, vit.grid_size, blk.attn.num_heads, blk.mlp.fc1.out_features
+
+
+def test_vit_mae_and_masked_patch_share_one_shape_table():
+    with torch.device("meta"):
+        for size in ("debug", "b16", "l16"):
+            vit = _shape(create_model(f"vit_{size}"))
+            assert _shape(create_model(f"mae_vit_{size}").encoder) == vit
+            assert _shape(create_model(f"mpp_vit_{size}").encoder) == vit
