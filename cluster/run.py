@@ -41,6 +41,20 @@ from pipeline.train.loop import STOP_FILE
 
 DONE = "DONE.json"
 
+# Ray Train settings that keep a job's log readable; the driver passes them to the Ray Train controller
+# and workers (Ray Train propagates these variables), and a value already in the environment wins.
+RAY_TRAIN_LOG_ENV = {
+    # Ray Train v2 sends a worker's print() to a logger whose console handler writes stderr, and also
+    # prints it to stdout when sys.stdout is not sys.__stdout__, which is always so in a Ray worker
+    # (Ray wraps it): each printed line reached the job log twice. With this off, print writes once.
+    "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+    # The preemption watcher reports node drains to ray.train.get_preemption_info(), which the loop does
+    # not read (a drained node's workers die; Ray Train restarts the group from the newest checkpoint).
+    # Its actor's start-up printed a core_worker.cc error ("has constructor arguments in the object
+    # store and max_restarts > 0", ray issue 53727) at every stage of a healthy run.
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+}
+
 
 def _worker(config: dict) -> None:
     # Runs in every Ray Train worker; TorchTrainer has already joined the process group.
@@ -82,6 +96,8 @@ def run_stage(cfg: StageConfig, parent_run_id: str | None = None):
     cfg = cfg.model_copy(update=update)
     prepare_data(cfg)
     connect(cfg.cluster.address)
+    for key, value in RAY_TRAIN_LOG_ENV.items():
+        os.environ.setdefault(key, value)  # read by TorchTrainer.fit() and passed on to its actors
     c = cfg.cluster
     trainer = TorchTrainer(
         _worker,
