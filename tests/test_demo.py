@@ -1,5 +1,6 @@
 """The reduced demo: the same journey as `make demo` (shards, local Ray, ray job submit, compare), shorter."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,12 @@ def test_reduced_demo_runs_end_to_end(tmp_path):
         assert (run_dir / stage / "DONE.json").is_file(), stage
     # The compare table, the figures and the MLflow UI command are printed.
     assert "eval/top1" in out and "MLflow UI:" in out and "figures:" in out
+    # A log a user can read: each worker line once, no Ray start-up error, a table that fits 120 columns.
+    progress = [line for line in proc.stdout.splitlines() if re.search(r"\) step \d+/\d+ loss", line)]
+    assert progress and len(progress) == len(set(progress)), "\n".join(progress)
+    assert "PreemptionWatcher" not in out and "core_worker.cc" not in out, out[-6000:]
+    table = proc.stdout.split("$ vitpipe compare")[1].split("\nfigures:")[0].strip().splitlines()[1:]
+    assert table and max(map(len, table)) <= 120, "\n".join(table)
     assert list((run_dir / "eval_finetune" / "figures").glob("*.png"))
     client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
     exp = client.get_experiment_by_name("demo")
