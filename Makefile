@@ -37,8 +37,10 @@ demo: setup
 demo-small: setup
 	$(PY) -m cluster.demo --size small
 
+# Four xdist workers on two cores: most of the suite waits on Ray and torchrun start-up (see tests/scheduling.py).
+TEST_WORKERS ?= 4
 test: setup
-	$(PY) -m pytest tests --durations=25
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 test-fast: setup
 	$(PY) -m pytest tests -m "unit"

@@ -1,0 +1,59 @@
+"""How the suite is spread over pytest-xdist workers: `make test` runs `pytest -n 4 --dist loadgroup`.
+
+Most of the suite's wall time is waiting (Ray Train start-up, torchrun rendezvous, job polling), so four
+workers on two cores overlap the waiting. Two rules keep that correct and fast:
+- Tests that share an expensive fixture run on one worker (an `xdist_group`), so the fixture is built once:
+  a module-scoped fixture defined in a test module groups that module's users; the Ray tests split into two
+  groups, each with its own local cluster (`ray_cluster` is session-scoped, so one per worker).
+- The longest units are handed out first (xdist gives work in collection order), so no long test starts
+  last and holds the run open while the other workers idle.
+Without xdist (`pytest tests/test_x.py`) the groups are ignored and the order is the same as ever within a
+file.
+"""
+
+import pytest
+
+# The Ray tests of the second cluster: together about as long as the rest of the Ray tests.
+RAY_B = {
+    "test_killed_worker_recovers_with_the_weights_of_an_uninterrupted_run",
+    "test_retries_exhausted_fail_the_job_and_the_mlflow_runs",
+    "test_ray_job_stop_checkpoints_the_running_stage",
+}
+# Tests that take minutes (seconds measured on 2 idle cores): started before everything else.
+LONG_TESTS = {
+    "test_reduced_demo_runs_end_to_end": 240,
+    "test_two_stage_experiment_through_ray_job_submit": 145,
+    "test_killed_worker_recovers_with_the_weights_of_an_uninterrupted_run": 95,
+    "test_each_family_trains_under_every_zero_stage_with_distillation_and_simmim": 80,
+    "test_two_ranks_give_the_single_process_result": 75,
+    "test_sigterm_checkpoints_and_resume_falls_back_past_a_corrupt_checkpoint": 45,
+    "test_resume_is_bitwise_exact_per_zero_stage": 40,
+    "test_every_objective_trains_and_its_loss_falls": 40,
+}
+
+
+def _group(item: pytest.Item) -> str | None:
+    if "ray_cluster" in item.fixturenames:
+        return "ray_b" if item.originalname in RAY_B else "ray_a"
+    module = item.module.__name__ if item.module else None
+    for name in item.fixturenames:
+        for fixturedef in item._fixtureinfo.name2fixturedefs.get(name, ()):
+            # A module-scoped fixture of the test's own file: its users share one worker and one build.
+            if fixturedef.scope == "module" and fixturedef.func.__module__ == module:
+                return f"{module}.{name}"
+    return None
+
+
+def _weight(item: pytest.Item) -> float:
+    if item.originalname in LONG_TESTS:
+        return LONG_TESTS[item.originalname]
+    return 10 if any(item.get_closest_marker(m) for m in ("slow", "dist", "ray")) else 0
+
+
+def order_and_group(items: list[pytest.Item]) -> None:
+    """Longest first (stable: file order is kept among equals), and shared-fixture groups marked."""
+    for item in items:
+        group = _group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: -_weight(item))
