@@ -14,6 +14,8 @@ from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).parents[1]
+# A worker's progress line as the job log shows it: "(RayTrainWorker pid=N) step 3/8 loss ..." (ANSI inside).
+PROGRESS_LINE = re.compile(r"RayTrainWorker pid=\d+.* step \d+/\d+ loss")
 TWO_STAGE = ROOT / "configs/experiments/two_stage_tiny.yaml"
 SMOKE = ROOT / "configs/experiments/smoke.yaml"
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -35,7 +37,7 @@ def ray_bin() -> str:
 
 def assert_readable_job_log(log: str) -> None:
     """Each worker line once (Ray Train's print patch doubled them) and no PreemptionWatcher error."""
-    progress = [line for line in log.splitlines() if re.search(r"\) step \d+/\d+ loss", line)]
+    progress = [line for line in log.splitlines() if PROGRESS_LINE.search(line)]
     assert progress and len(progress) == len(set(progress)), "\n".join(progress)
     assert "PreemptionWatcher" not in log and "core_worker.cc" not in log, log[-3000:]
 

@@ -9,6 +9,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 ROOT = Path(__file__).parents[1]
+# A worker's progress line as the job log shows it: "(RayTrainWorker pid=N) step 3/8 loss ..." (ANSI inside).
+PROGRESS_LINE = re.compile(r"RayTrainWorker pid=\d+.* step \d+/\d+ loss")
 
 
 @pytest.mark.ray
@@ -34,7 +36,7 @@ def test_reduced_demo_runs_end_to_end(tmp_path):
     # The compare table, the figures and the MLflow UI command are printed.
     assert "eval/top1" in out and "MLflow UI:" in out and "figures:" in out
     # A log a user can read: each worker line once, no Ray start-up error, a table that fits 120 columns.
-    progress = [line for line in proc.stdout.splitlines() if re.search(r"\) step \d+/\d+ loss", line)]
+    progress = [line for line in proc.stdout.splitlines() if PROGRESS_LINE.search(line)]
     assert progress and len(progress) == len(set(progress)), "\n".join(progress)
     assert "PreemptionWatcher" not in out and "core_worker.cc" not in out, out[-6000:]
     table = proc.stdout.split("$ vitpipe compare")[1].split("\nfigures:")[0].strip().splitlines()[1:]
