@@ -37,14 +37,16 @@ LAZY_IMPORTS = {
     "pyarrow": "`verify` workers are spawned per shard and never read Parquet; only the index check does",
 }
 
-# The same, for one importing module only: (importer, imported module) -> why.
+# The same, for one importing module only: (importer, imported module) -> why. Every vitpipe command
+# imports pipeline.config; torch (and what loads it) comes in only when a config is checked.
+_CONFIG_WITHOUT_TORCH = "`vitpipe --help`, `jobs` and `compare` start without torch (seconds)"
 LAZY_IMPORTS_IN = {
-    (
-        "pipeline.config",
-        "pipeline.models",
-    ): "the model registry loads torch (seconds); the config checks model "
-    "names and options with it only when a config is loaded, so `vitpipe --help`, `jobs` and `compare` start fast",
-    ("pipeline.config", "torch"): "the same: building a model on the meta device to check its options",
+    ("pipeline.config", "pipeline.models"): "the model registry checks model names and options; "
+    + _CONFIG_WITHOUT_TORCH,
+    ("pipeline.config", "torch"): "a model built on the meta device checks its options; "
+    + _CONFIG_WITHOUT_TORCH,
+    ("pipeline.config", "webdataset"): "expands a local shard pattern the way the loader does, to check the "
+    "files exist before anything starts (webdataset imports torch); " + _CONFIG_WITHOUT_TORCH,
 }
 
 # What pipeline/models may not import (the family code runs on one device, under any wrapper).
