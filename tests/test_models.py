@@ -1,5 +1,9 @@
+"""The registry: ViT sizes against the paper, and what every registered model is (the selection that
+every registry-generated test sweeps, tests/conftest.py `models_for`)."""
+
 import pytest
 import torch
+from conftest import KINDS, is_debug_size, meta_model, model_kinds, models_for
 
 from pipeline.models import create_model, list_models
 
@@ -66,3 +70,41 @@ def test_registry_lists_the_family_and_rejects_unknown_names():
     assert {"vit_debug", "vit_ti16", "vit_b16", "vit_h14", "vit_g14", "vit_G14"} <= set(list_models())
     with pytest.raises(KeyError, match="unknown model 'vit_x'"):
         create_model("vit_x")
+
+
+@pytest.mark.parametrize("name", list_models())
+def test_every_registered_model_is_of_a_kind_the_tests_sweep(name):
+    """A new model lands in the registry-generated tests by what it is; one of no known kind fails here."""
+    kinds = model_kinds(name)
+    assert kinds <= set(KINDS) and kinds & {"classifier", "masked_image"}, (name, kinds)
+
+
+def test_every_family_has_a_debug_size():
+    """Training and CPU-heavy tests sweep the debug sizes: a family without one would train in no test."""
+    families = {type(meta_model(n)) for n in list_models()}
+    with_debug = {type(meta_model(n)) for n in list_models() if is_debug_size(n)}
+    assert families == with_debug, f"families without a *_debug size: {families - with_debug}"
+    for name in filter(is_debug_size, list_models()):
+        assert sum(p.numel() for p in meta_model(name).parameters()) < 1_000_000, name
+
+
+def test_model_selection_rejects_unknown_kinds_and_exclusions_without_a_reason():
+    with pytest.raises(ValueError, match="kind must be one of"):
+        models_for("resnet")
+    with pytest.raises(ValueError, match="name no selected vit model"):
+        models_for("vit", exclude={"swin_debug": "not a ViT"})
+    with pytest.raises(ValueError, match="needs a reason"):
+        models_for("vit", exclude={"vit_debug": " "})
+    assert "vit_debug" not in models_for("vit", exclude={"vit_debug": "a reason"})
+
+
+@pytest.mark.parametrize("name", models_for("masked_image", debug=True))
+def test_every_masked_image_model_exports_a_classifier(name):
+    """MAE, masked patch prediction and SimMIM (any size: the code is the same) hand fine-tuning a plain
+    classifier of their encoder's family: no decoder or mask token, a new zero-initialised head."""
+    torch.manual_seed(0)
+    classifier = create_model(name, num_classes=7).export_encoder().eval()
+    assert hasattr(classifier, "forward_features") and hasattr(classifier, "forward_head")
+    assert not any("mask_token" in k or k.startswith("decoder") for k in classifier.state_dict())
+    with torch.no_grad():
+        assert torch.all(classifier(torch.randn(2, 3, 32, 32)) == torch.zeros(2, 7))

@@ -2,21 +2,13 @@
 
 import pytest
 import torch
+from conftest import meta_model, models_for
 
-from pipeline.models import VisionTransformer, create_model, layer_id, list_models, param_groups
+from pipeline.models import VisionTransformer, create_model, layer_id, param_groups
 from pipeline.models.convert import CheckpointMismatch, export_timm_state_dict, load_timm_state_dict
 from pipeline.models.pos_embed import POS_EMBED_KINDS
 
 pytestmark = pytest.mark.unit
-
-
-def _meta(name):
-    with torch.device("meta"):
-        return create_model(name)
-
-
-def vit_names():
-    return [n for n in list_models() if isinstance(_meta(n), VisionTransformer)]
 
 
 def _grad_check(model: VisionTransformer, x: torch.Tensor) -> None:
@@ -38,11 +30,11 @@ def _grad_check(model: VisionTransformer, x: torch.Tensor) -> None:
             assert p.grad.abs().sum() > 0, name
 
 
-@pytest.mark.parametrize("name", vit_names())
+@pytest.mark.parametrize("name", models_for("vit"))
 def test_every_registered_vit_trains(name):
     """Forward and backward of every registered ViT; big ones at reduced depth and a 2x2 patch grid."""
     torch.manual_seed(0)
-    patch = _meta(name).patch_embed.patch_size
+    patch = meta_model(name).patch_embed.patch_size
     kw = {} if name == "vit_debug" else {"img_size": 2 * patch, "depth": 1}
     model = create_model(name, num_classes=3, **kw)
     size = model.grid_size[0] * patch
