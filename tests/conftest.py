@@ -45,9 +45,7 @@ def _meta(name: str) -> torch.nn.Module:
 
 
 def meta_model(name: str, **overrides) -> torch.nn.Module:
-    """`create_model(name, **overrides)` on the meta device: parameter shapes and counts, no weights."""
-    if not overrides:
-        return _meta(name)
+    """A fresh `create_model(name, **overrides)` on the meta device: shapes and counts, no weights."""
     with torch.device("meta"):
         return create_model(name, **overrides)
 
@@ -99,6 +97,11 @@ def counted_flops(model: torch.nn.Module, x: torch.Tensor, **forward_kwargs) -> 
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter, torch.no_grad():
         model.eval()(x, **forward_kwargs)
     return counter.get_total_flops()
+
+
+def counted_macs(model: torch.nn.Module, img_size: int, device: str = "cpu") -> float:
+    """Multiply-accumulates torch counts for one image (FLOPs / 2); on "meta" from shapes alone."""
+    return counted_flops(model, torch.randn(1, 3, img_size, img_size, device=device)) / 2
 
 
 # ---------------------------------------------------------------------- training checks

@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.flop_counter import FlopCounterMode
+from conftest import counted_macs, meta_model
 
 import pipeline.models.cvt  # noqa: F401  (registers cvt_13, cvt_21, cvt_debug)
 from pipeline.models.cvt import ConvAttention, ConvolutionalVisionTransformer
@@ -12,11 +11,6 @@ from pipeline.models.registry import create_model, list_models
 pytestmark = pytest.mark.unit
 
 CVT_NAMES = ["cvt_debug", "cvt_13", "cvt_21"]
-
-
-def _meta(name, **kw):
-    with torch.device("meta"):  # shapes only: no memory, no initialisation cost
-        return create_model(name, **kw)
 
 
 def cvt_param_count(dims, depths, classes, in_chans=3, mlp_ratio=4):
@@ -51,28 +45,19 @@ def test_names_registered():
     ],
 )
 def test_parameter_counts_match_paper_and_formula(name, dims, depths, paper):
-    model = _meta(name, num_classes=1000)
+    model = meta_model(name, num_classes=1000)
     n = sum(p.numel() for p in model.parameters())
     assert n == cvt_param_count(dims, depths, 1000)
     assert abs(n - paper) / paper < 0.02  # 19.997M and 31.623M (timm / Hugging Face: 20.0M, 31.6M)
 
 
 def test_debug_variant_is_tiny():
-    model = _meta("cvt_debug")
+    model = meta_model("cvt_debug")
     assert sum(p.numel() for p in model.parameters()) < 300_000
     assert model.forward_macs() == model.forward_macs(32)  # built for 32 px
 
 
 # ---------------------------------------------------------------------- FLOPs
-
-
-def counted_macs(model: torch.nn.Module, img_size: int, device: str) -> float:
-    """MACs torch counts for one forward of one image (FLOPs / 2), attention on the math path."""
-    model.eval()
-    x = torch.randn(1, 3, img_size, img_size, device=device)
-    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter, torch.no_grad():
-        model(x)
-    return counter.get_total_flops() / 2
 
 
 @pytest.mark.parametrize(
@@ -96,8 +81,8 @@ def test_analytic_macs_match_flop_counter(name, built, counted, overrides, devic
 
 def test_macs_match_the_papers_gflops():
     """Table 2: CvT-13 4.5G, CvT-21 7.1G multiply-accumulates at 224 px (timm: 4.6 and 7.2)."""
-    assert _meta("cvt_13").forward_macs() == pytest.approx(4.5e9, rel=0.03)
-    assert _meta("cvt_21").forward_macs() == pytest.approx(7.1e9, rel=0.03)
+    assert meta_model("cvt_13").forward_macs() == pytest.approx(4.5e9, rel=0.03)
+    assert meta_model("cvt_21").forward_macs() == pytest.approx(7.1e9, rel=0.03)
 
 
 def test_keys_and_values_are_squeezed_and_the_class_token_is_not_convolved():
@@ -237,10 +222,10 @@ def test_distillation_heads_and_feature_extractor():
 
 
 def test_shape_overrides_and_validation():
-    m = _meta("cvt_13", depths=(1, 1, 2), dims=(32, 64, 128), num_heads=(1, 2, 4))
+    m = meta_model("cvt_13", depths=(1, 1, 2), dims=(32, 64, 128), num_heads=(1, 2, 4))
     assert len(m.stage2.blocks) == 2 and m.num_features == 128
     with pytest.raises(ValueError, match="3 stages"):
-        _meta("cvt_13", depths=(1, 2))
+        meta_model("cvt_13", depths=(1, 2))
     with pytest.raises(ValueError, match="not divisible"):
         ConvAttention(64, 3)
 
@@ -272,5 +257,5 @@ def test_forward_mim_shape_and_mask_token_gradient():
 
 
 def test_no_mask_token_unless_asked():
-    assert _meta("cvt_debug").mask_token is None
-    assert not [n for n, _ in _meta("cvt_13").named_parameters() if "mask" in n]
+    assert meta_model("cvt_debug").mask_token is None
+    assert not [n for n, _ in meta_model("cvt_13").named_parameters() if "mask" in n]

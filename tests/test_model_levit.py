@@ -1,9 +1,9 @@
 import pytest
 import torch
+from conftest import counted_macs
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import FlopCounterMode
 
 import pipeline.models.levit  # noqa: F401
 from pipeline.models.levit import Attention, AttentionDownsample, Levit
@@ -64,14 +64,6 @@ def test_debug_variant_is_tiny():
     assert model.img_size == 32
     model.eval()
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
-
-
-def counted_macs(model: nn.Module, img_size: int) -> int:
-    x = torch.randn(1, 3, img_size, img_size)
-    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), torch.no_grad():
-        with FlopCounterMode(display=False) as counter:
-            model(x)
-    return counter.get_total_flops() // 2
 
 
 @pytest.mark.parametrize(

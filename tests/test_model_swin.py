@@ -2,30 +2,15 @@
 
 import pytest
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.flop_counter import FlopCounterMode
+from conftest import counted_macs, meta_model
 
 import pipeline.models.swin  # noqa: F401  (registers swin_*)
 from pipeline.models import create_model
 from pipeline.models.swin import MASK_VALUE, SwinBlock, SwinTransformer
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_thread")]
 
 NAMES = ("swin_debug", "swin_t", "swin_s", "swin_b")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: intra-op threads only contend (10-50x slower on a loaded 2-core machine); restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def _meta(name, **kw):
-    with torch.device("meta"):  # shapes only
-        return create_model(name, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -33,17 +18,6 @@ def swin_t_64():
     """Swin-T at 64 px: stages 16 and 8 pad to 21 and 14 for window 7, stages 4 and 2 clip the window."""
     torch.manual_seed(0)
     return create_model("swin_t", img_size=64)
-
-
-def _counted_macs(model, img_size, device="cpu"):
-    x = (
-        torch.randn(1, 3, img_size, img_size)
-        if device == "cpu"
-        else torch.empty(1, 3, img_size, img_size, device=device)
-    )
-    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter, torch.no_grad():
-        model.eval()(x)
-    return counter.get_total_flops() / 2
 
 
 # ---------------------------------------------------------------------- sizes
@@ -54,7 +28,7 @@ def _counted_macs(model, img_size, device="cpu"):
     [("swin_t", 28e6, 28_288_354), ("swin_s", 50e6, 49_606_258), ("swin_b", 88e6, 87_768_224)],
 )
 def test_parameter_counts_match_the_paper(name, paper, timm):
-    n = sum(p.numel() for p in _meta(name, num_classes=1000).parameters())
+    n = sum(p.numel() for p in meta_model(name, num_classes=1000).parameters())
     assert abs(n - paper) / paper < 0.02
     assert n == timm  # the official layout, parameter for parameter
 
@@ -71,7 +45,7 @@ def test_debug_variant_is_tiny_and_runs_at_32px():
 
 def test_every_registered_name_builds_on_meta():
     for name in NAMES:
-        model = _meta(name)
+        model = meta_model(name)
         assert isinstance(model, SwinTransformer)
         assert model.num_features == model.embed_dim * 8
 
@@ -82,28 +56,28 @@ def test_every_registered_name_builds_on_meta():
 @pytest.mark.parametrize("name,img_size", [("swin_debug", 32), ("swin_debug", 64)])
 def test_forward_macs_match_flop_counter_on_a_real_forward(name, img_size):
     model = create_model(name, img_size=img_size)
-    counted = _counted_macs(model, img_size)
+    counted = counted_macs(model, img_size)
     assert abs(model.forward_macs() - counted) / counted < 0.02
 
 
 def test_forward_macs_match_flop_counter_with_padded_windows(swin_t_64):
-    counted = _counted_macs(swin_t_64, 64)
+    counted = counted_macs(swin_t_64, 64)
     assert abs(swin_t_64.forward_macs() - counted) / counted < 0.02
     # The meta-device forward (used below for the large variants) counts the same operations.
-    assert _counted_macs(_meta("swin_t", img_size=64), 64, device="meta") == counted
+    assert counted_macs(meta_model("swin_t", img_size=64), 64, device="meta") == counted
 
 
 @pytest.mark.parametrize("name,img_size", [("swin_t", 224), ("swin_s", 64), ("swin_b", 64)])
 def test_forward_macs_match_flop_counter_on_the_large_variants(name, img_size):
     # Traced on the meta device: the same ops and shapes without initialising 28-88M weights.
-    model = _meta(name, img_size=img_size)
-    counted = _counted_macs(model, img_size, device="meta")
+    model = meta_model(name, img_size=img_size)
+    counted = counted_macs(model, img_size, device="meta")
     assert abs(model.forward_macs() - counted) / counted < 0.02
 
 
 @pytest.mark.parametrize("name,paper_gmacs", [("swin_t", 4.5), ("swin_s", 8.7), ("swin_b", 15.4)])
 def test_forward_macs_match_the_paper_at_224(name, paper_gmacs):
-    macs = _meta(name).forward_macs()
+    macs = meta_model(name).forward_macs()
     assert abs(macs / 1e9 - paper_gmacs) / paper_gmacs < 0.02
 
 
@@ -180,7 +154,7 @@ def test_stage_windows_are_clipped_and_padded_as_the_official_code(swin_t_64):
             for b in layer.blocks
         ]
 
-    at_224 = layout(_meta("swin_t"))
+    at_224 = layout(meta_model("swin_t"))
     assert at_224[0] == ((56, 56), 7, 0, 0) and at_224[1] == ((56, 56), 7, 3, 0)
     assert at_224[-1] == ((7, 7), 7, 0, 0)  # a 7x7 grid is one window: never shifted
     at_64 = layout(swin_t_64)
@@ -254,7 +228,7 @@ def test_heads_distillation_and_feature_extractor():
 
 
 def test_official_parameter_names():
-    keys = set(_meta("swin_t").state_dict())
+    keys = set(meta_model("swin_t").state_dict())
     for key in (
         "patch_embed.proj.weight",
         "patch_embed.norm.weight",
@@ -275,7 +249,7 @@ def test_official_parameter_names():
 
 def test_forward_mim_shape_and_mask_token_gradient():
     torch.manual_seed(0)
-    swin_t = _meta("swin_t", mask_token=True)
+    swin_t = meta_model("swin_t", mask_token=True)
     assert swin_t.supports_mim and (swin_t.mim_patch_size, swin_t.mim_stride) == (4, 32)
     model = create_model("swin_debug", mask_token=True).train()
     assert (model.mim_patch_size, model.mim_stride) == (2, 16)  # the debug variant's 2x2 patches

@@ -7,9 +7,8 @@ import copy
 
 import pytest
 import torch
+from conftest import counted_macs, meta_model
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.flop_counter import FlopCounterMode
 
 import pipeline.models.tnt  # noqa: F401  (registers tnt_*)
 from pipeline.models import create_model, list_models
@@ -19,23 +18,9 @@ pytestmark = pytest.mark.unit
 NAMES = ["tnt_debug", "tnt_s16", "tnt_b16"]
 
 
-def meta_model(name: str, **kw) -> nn.Module:
-    with torch.device("meta"):
-        return create_model(name, **kw)
-
-
 def debug_model(**kw) -> nn.Module:
     torch.manual_seed(0)
     return create_model("tnt_debug", **kw).eval()
-
-
-def counted_macs(model: nn.Module, img_size: int, device: str) -> float:
-    """Multiply-accumulates torch counts for one forward of one image (math SDPA so attention counts)."""
-    model.eval()
-    x = torch.randn(1, 3, img_size, img_size, device=device)
-    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter, torch.no_grad():
-        model(x)
-    return counter.get_total_flops() / 2
 
 
 def test_registry_lists_the_family_and_every_name_builds_on_meta():
