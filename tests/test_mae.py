@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import models_for
 
 from pipeline.models import create_model
 from pipeline.models.mae import MaskedAutoencoderViT, patchify, random_masking, unpatchify
@@ -152,15 +153,19 @@ def test_overrides_change_any_option():
         create_model("mae_vit_debug", pos_embed="relative")
 
 
-@pytest.mark.parametrize(
-    "mae_name,vit_name,patch,width",
-    [
-        ("mae_vit_b16", "vit_b16", 16, 768),
-        ("mae_vit_l16", "vit_l16", 16, 1024),
-        ("mae_vit_h14", "vit_h14", 14, 1280),
-    ],
-)
-def test_mae_encoders_have_the_published_vit_shapes(mae_name, vit_name, patch, width):
+# The MAE paper's sizes: the ViT each encoder is, its patch and width. Every registered MAE size but the
+# debug one is checked against this table, so a new size fails until its published shape is written here.
+MAE_PAPER = {
+    "mae_vit_b16": ("vit_b16", 16, 768),
+    "mae_vit_l16": ("vit_l16", 16, 1024),
+    "mae_vit_h14": ("vit_h14", 14, 1280),
+}
+
+
+@pytest.mark.parametrize("mae_name", models_for("mae", debug=False))
+def test_mae_encoders_have_the_published_vit_shapes(mae_name):
+    assert mae_name in MAE_PAPER, f"{mae_name}: add its published (ViT, patch, width) to MAE_PAPER"
+    vit_name, patch, width = MAE_PAPER[mae_name]
     with torch.device("meta"):  # count without allocating weights
         mae = create_model(mae_name)
         vit = create_model(vit_name, num_classes=1000)
