@@ -8,11 +8,15 @@ exclusion that gives the reason.
 import functools
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import scheduling
 import torch
+from safetensors.torch import load_file
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -26,9 +30,12 @@ from pipeline.models import (
     create_model,
     list_models,
 )
+from pipeline.tracking import RUN_ID_FILE, read_run_id
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("RAY_AUTH_MODE", "token")
+
+ROOT = Path(__file__).parents[1]
 
 
 # ---------------------------------------------------------------------- model selection
@@ -102,6 +109,35 @@ def counted_flops(model: torch.nn.Module, x: torch.Tensor, **forward_kwargs) -> 
 def counted_macs(model: torch.nn.Module, img_size: int, device: str = "cpu") -> float:
     """Multiply-accumulates torch counts for one image (FLOPs / 2); on "meta" from shapes alone."""
     return counted_flops(model, torch.randn(1, 3, img_size, img_size, device=device)) / 2
+
+
+# ---------------------------------------------------------------------- torchrun runs and what they logged
+
+
+def torchrun(*args: str, nproc: int = 2, timeout: int = 900) -> subprocess.CompletedProcess:
+    """A test script under torchrun on `nproc` gloo ranks (one intra-op thread each), from the repository root."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def history(run_dir: Path, metric: str = "train/loss") -> list[tuple[int, float]]:
+    """(step, value) of the MLflow run the stage in run_dir logged to (its run-id file names it), in the
+    nearest mlflow.db at or above run_dir: the test scripts share one store (a new SQLite store costs
+    about 4 s of migrations here)."""
+    from mlflow.tracking import MlflowClient  # seconds to import: only sessions that read a run pay for it
+
+    run_id = read_run_id(run_dir / RUN_ID_FILE)
+    db = next(p / "mlflow.db" for p in (run_dir, *run_dir.parents) if (p / "mlflow.db").is_file())
+    client = MlflowClient(f"sqlite:///{db}")
+    return [(m.step, m.value) for m in client.get_metric_history(run_id, metric)]
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The consolidated export of the stage in run_dir."""
+    return load_file(str(run_dir / "export" / "model.safetensors"))
 
 
 # ---------------------------------------------------------------------- training checks

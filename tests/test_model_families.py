@@ -7,8 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import assert_loss_fell, counted_flops, meta_model, models_for
-from test_training import history, torchrun, weights  # the same launcher and readers as the ViT runs
+from conftest import assert_loss_fell, counted_flops, history, meta_model, models_for, torchrun, weights
 
 from data_prep.synthetic import class_names, synthetic_samples
 from data_prep.writer import write_dataset

@@ -87,7 +87,7 @@ def test_multi_stage_storage_sets_each_stage_uri_and_chains_exports(tmp_path):
 @pytest.mark.dist
 @pytest.mark.slow
 def test_checkpoints_on_s3_resume_a_run_whose_local_directory_is_gone(s3, tmp_path):
-    from test_training import history, torchrun, weights  # the same launcher and readers as the resume tests
+    from conftest import history, torchrun, weights  # the same launcher and readers as the resume tests
 
     from data_prep.synthetic import class_names, synthetic_samples
     from data_prep.writer import write_dataset

@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import history, torchrun, weights  # shared with the other torchrun tests
 from mlflow.tracking import MlflowClient
-from safetensors.torch import load_file
 
 from data_prep.synthetic import class_names, synthetic_samples
 from data_prep.writer import write_dataset
-from pipeline.tracking import RUN_ID_FILE, read_run_id
 
 ROOT = Path(__file__).parents[1]
 
@@ -24,28 +23,6 @@ def smoke_data(tmp_path_factory):
     root = tmp_path_factory.mktemp("smokedata")
     write_dataset(root, synthetic_samples(320, 8, seed=0, width=48, height=40), class_names(8), True, 40)
     return root
-
-
-def torchrun(*args: str, nproc: int = 2, timeout: int = 900) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return proc
-
-
-def history(run_dir: Path, metric: str = "train/loss") -> list[tuple[int, float]]:
-    """(step, value) of the MLflow run the stage in run_dir logged to (its run-id file names it), in the
-    nearest mlflow.db at or above run_dir: the test scripts share one store (a new SQLite store costs
-    about 4 s of migrations here)."""
-    run_id = read_run_id(run_dir / RUN_ID_FILE)
-    db = next(p / "mlflow.db" for p in (run_dir, *run_dir.parents) if (p / "mlflow.db").is_file())
-    client = MlflowClient(f"sqlite:///{db}")
-    return [(m.step, m.value) for m in client.get_metric_history(run_id, metric)]
-
-
-def weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(run_dir / "export" / "model.safetensors"))
 
 
 @pytest.mark.dist
