@@ -54,6 +54,9 @@ FORMATS = ("table", "markdown", "csv")
 MISSING = "-"  # shown for a param or metric a run does not have
 MAX_LISTED = 12  # names listed in an error message before "..."
 TABLE_WIDTH = 120  # columns the plain table fits by default (--width)
+# Which differing params a fitted table offers room to first (by key prefix; the rest alphabetically,
+# derived.* last): what the stage is, then the model, the objective, the optimizer, the data.
+PARAM_PRIORITY = ("kind", "model.name", "objective.name", "model.", "objective.", "optim.", "data.")
 MAX_CELL = 24  # characters of a cell the fitted table shows; longer ones end in "..."
 
 Cell = str | float | None
@@ -372,6 +375,13 @@ def locational_params(table: Table) -> list[int]:
     return out
 
 
+def _param_rank(key: str) -> tuple[int, str]:
+    if key.startswith("derived."):
+        return len(PARAM_PRIORITY) + 1, key
+    ranks = [n for n, prefix in enumerate(PARAM_PRIORITY) if key == prefix or key.startswith(prefix)]
+    return (ranks[0] if ranks else len(PARAM_PRIORITY)), key
+
+
 def cut_cell(text: str, limit: int = MAX_CELL) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -387,8 +397,9 @@ def fit_table(table: Table, width: int | None, metrics_first: bool) -> tuple[Tab
 
     Returns the table (cells cut to MAX_CELL when `width` is set), the locational params left out,
     and the other columns left out for want of room. The run, id and parent columns always stay; of
-    the rest, the chosen metrics (`metrics_first`) or else the params are offered a place first, in
-    their order, each taken if it still fits.
+    the rest, the chosen metrics (`metrics_first`) or else the params (up to half the room) are offered
+    a place first, the params in PARAM_PRIORITY order, each taken if it still fits. Columns keep their
+    table order.
     """
     dropped = set(locational_params(table))
     locational = [table.columns[i] for i in sorted(dropped)]
@@ -402,17 +413,22 @@ def fit_table(table: Table, width: int | None, metrics_first: bool) -> tuple[Tab
 
     keep = [i for i, kind in enumerate(table.kinds) if kind in TEXT_COLUMNS]
     used = sum(col_width(i) for i in keep) + 2 * (len(keep) - 1)
-    first, second = ("metric", "param") if metrics_first else ("param", "metric")
-    offered = [
-        i for kind in (first, second) for i, k in enumerate(table.kinds) if k == kind and i not in dropped
-    ]
-    left_out = []
-    for i in offered:
-        if used + 2 + col_width(i) <= width:
-            keep.append(i)
-            used += 2 + col_width(i)
-        else:
-            left_out.append(table.columns[i])
+    metrics = [i for i, kind in enumerate(table.kinds) if kind == "metric"]
+    params = sorted(
+        (i for i, kind in enumerate(table.kinds) if kind == "param" and i not in dropped),
+        key=lambda i: _param_rank(table.columns[i]),
+    )
+    # Without --metric every metric is a column: the params get at most half the room left, so that
+    # some metrics show too, then the metrics, then the params again with whatever is left.
+    rounds = [(metrics, width), (params, width)]
+    if not metrics_first:
+        rounds = [(params, used + (width - used) // 2), (metrics, width), (params, width)]
+    for columns, limit in rounds:
+        for i in columns:
+            if i not in keep and used + 2 + col_width(i) <= limit:
+                keep.append(i)
+                used += 2 + col_width(i)
+    left_out = [table.columns[i] for i in params + metrics if i not in keep]
     return _select(table, keep), locational, left_out
 
 

@@ -312,6 +312,11 @@ def test_default_table_fits_120_columns_without_locations(stages_store, capsys):
     note = " ".join(err.split())
     assert note.startswith("not shown (--wide shows every column):") and "run_dir" in note, note
     assert "beyond 120 characters" in note and "optim.schedule_param_11" in note, note
+    # Without --metric, the params that matter most come first but leave room for metrics.
+    _, out, _ = compare(stages_store, capsys, "--experiment", "stages")
+    header, _ = parse_table(out)
+    assert max(map(len, out.splitlines())) <= 120
+    assert {"objective.name", "optim.lr", "eval/top1"} <= set(header)
 
 
 def test_fitted_cells_are_cut_and_width_is_adjustable(stages_store, capsys):
