@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import meta_model, models_for
+from conftest import is_debug_size, meta_model, models_for
 
 from pipeline.models import VisionTransformer, create_model, layer_id, param_groups
 from pipeline.models.convert import CheckpointMismatch, export_timm_state_dict, load_timm_state_dict
@@ -35,7 +35,7 @@ def test_every_registered_vit_trains(name):
     """Forward and backward of every registered ViT; big ones at reduced depth and a 2x2 patch grid."""
     torch.manual_seed(0)
     patch = meta_model(name).patch_embed.patch_size
-    kw = {} if name == "vit_debug" else {"img_size": 2 * patch, "depth": 1}
+    kw = {} if is_debug_size(name) else {"img_size": 2 * patch, "depth": 1}
     model = create_model(name, num_classes=3, **kw)
     size = model.grid_size[0] * patch
     _grad_check(model, torch.randn(2, 3, size, size))
