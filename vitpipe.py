@@ -11,9 +11,10 @@ import sys
 
 
 def _train(args: argparse.Namespace) -> int:
-    from pipeline.config import load_config
+    from pipeline.config import check_inputs, load_config
 
     cfg = load_config(args.config, args.overrides)
+    check_inputs(cfg)  # the dataset, before Ray, torchrun or the engine starts
     if cfg.cluster.launcher == "ray":
         from cluster.run import run_stage
 
@@ -34,9 +35,11 @@ def _train(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from cluster.run import run_experiment
-    from pipeline.config import load_experiment
+    from pipeline.config import check_inputs, load_experiment
 
-    return run_experiment(load_experiment(args.config, args.overrides))
+    exp = load_experiment(args.config, args.overrides)
+    check_inputs(exp)  # every stage's dataset, before Ray or any worker starts
+    return run_experiment(exp)
 
 
 def build_parser() -> argparse.ArgumentParser:

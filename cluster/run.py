@@ -26,7 +26,14 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from data_prep import atomic
 from data_prep.layout import DatasetError
-from pipeline.config import ConfigError, Experiment, StageConfig, load_experiment, validate_config
+from pipeline.config import (
+    ConfigError,
+    Experiment,
+    StageConfig,
+    check_inputs,
+    load_experiment,
+    validate_config,
+)
 from pipeline.tracking import (
     RUN_ID_FILE,
     end_run,
@@ -78,22 +85,11 @@ def connect(address: str | None) -> None:
 
 
 def run_stage(cfg: StageConfig, parent_run_id: str | None = None):
-    """One stage on Ray Train workers. Returns ray.train.Result."""
+    """One stage on Ray Train workers. Returns ray.train.Result.
 
-    # Workers may start in other directories: pass absolute paths (the data, init weights, teacher).
-    def local_abs(path: str) -> str:
-        return path if "://" in path or path.startswith("pipe:") else os.path.abspath(path)
-
-    data = cfg.data.model_copy(update={"train": local_abs(cfg.data.train)})
-    update = {"run_dir": str(cfg.run_path), "data": data}
-    if cfg.model.init_from:
-        update["model"] = cfg.model.model_copy(update={"init_from": local_abs(cfg.model.init_from)})
-    if cfg.objective.teacher is not None:
-        teacher = cfg.objective.teacher.model_copy(
-            update={"weights": local_abs(cfg.objective.teacher.weights)}
-        )
-        update["objective"] = cfg.objective.model_copy(update={"teacher": teacher})
-    cfg = cfg.model_copy(update=update)
+    Workers may start in other directories: the config's local paths (run_dir, data, init weights,
+    teacher) are already absolute, resolved once when it was loaded (pipeline.config).
+    """
     prepare_data(cfg)
     connect(cfg.cluster.address)
     for key, value in RAY_TRAIN_LOG_ENV.items():
@@ -191,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m cluster.run CONFIG [KEY=VALUE ...]", file=sys.stderr)
         return 2
     try:
-        return run_experiment(load_experiment(argv[0], argv[1:]))
+        exp = load_experiment(argv[0], argv[1:])
+        check_inputs(exp)  # every stage's dataset, before Ray or any worker starts
+        return run_experiment(exp)
     except (ConfigError, DatasetError) as exc:
         print(f"cluster.run: {exc}", file=sys.stderr)
         return 2

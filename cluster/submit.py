@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.config import load_experiment
+from pipeline.config import input_problems, load_experiment
 
 # Ray's limit on a job's uploaded working directory (ray issue 45602: .git is not excluded by default).
 UPLOAD_LIMIT_BYTES = 100 * 1024**2
@@ -83,6 +83,8 @@ def submit(config: str, overrides: list[str], address: str | None, python: str =
            env: dict[str, str] | None = None, root: Path | None = None) -> str:  # fmt: skip
     """Validate the config here (fail before upload), check the upload size, submit; returns the id."""
     exp = load_experiment(config, overrides)  # a typo fails here, not after an upload
+    for problem in input_problems(exp):  # a warning: the data may live on the cluster, which checks again
+        print(f"warning: {problem} (here; the job stops at start if the cluster lacks it)", file=sys.stderr)
     root = (root or Path.cwd()).resolve()
     check_upload(root)
     cfg_path = Path(config).resolve()

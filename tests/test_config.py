@@ -295,3 +295,20 @@ def test_docs_config_md_is_the_generated_reference():
 def test_the_old_name_of_the_stage_config_is_refused_with_the_new_one():
     with pytest.raises(ImportError, match=r"ExperimentConfig is now StageConfig"):
         from pipeline.config import ExperimentConfig  # noqa: F401
+
+
+def test_entry_points_refuse_a_missing_dataset_or_model_before_ray_starts(tmp_path, monkeypatch, capsys):
+    import cluster.run
+    import vitpipe
+
+    def no_ray(address):  # nothing may start: the config and its inputs fail first
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(cluster.run, "connect", no_ray)
+    missing = [f"data.train={tmp_path / 'nope'}", "data.synthetic=null"]
+    assert vitpipe.main(["train", str(SMOKE), *missing]) == 2
+    assert "stage smoke: data.train:" in capsys.readouterr().err
+    assert vitpipe.main(["run", str(SMOKE), *missing]) == 2
+    assert cluster.run.main([str(SMOKE), *missing]) == 2
+    assert vitpipe.main(["train", str(SMOKE), "model.name=vit_b17"]) == 2
+    assert "unknown model 'vit_b17'" in capsys.readouterr().err

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from data_prep.layout import has_dataset
 from data_prep.synthetic import class_names, synthetic_samples
 from data_prep.writer import write_dataset
-from pipeline.config import StageConfig, load_config
+from pipeline.config import ConfigError, StageConfig, check_inputs, load_config
+from pipeline.eval.run import evaluate  # light: matplotlib loads only when a figure is drawn
 from pipeline.train.loop import StageResult, train
 
 
@@ -45,9 +46,6 @@ def run_rank(
     """This rank's part of the stage, in a process group the launcher set up (torchrun, Ray Train, or
     launch_local): the training loop's result, or an eval stage's metrics (`kind: eval`)."""
     if cfg.kind == "eval":
-        # Imported here: the evaluators import matplotlib (seconds), which a training process never needs.
-        from pipeline.eval.run import evaluate
-
         return evaluate(cfg, report=report, parent_run_id=parent_run_id)
     return train(cfg, report=report, parent_run_id=parent_run_id)
 
@@ -66,7 +64,11 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
         sys.exit("usage: python -m pipeline.train.launch CONFIG [KEY=VALUE ...]")
-    cfg = load_config(argv[0], argv[1:])
+    try:
+        cfg = load_config(argv[0], argv[1:])
+        check_inputs(cfg)  # the dataset, before the process group and the engine start
+    except ConfigError as exc:
+        sys.exit(f"pipeline.train.launch: {exc}")
     if (
         int(os.environ.get("WORLD_SIZE", "1")) > 1
         and cfg.data.synthetic is not None
