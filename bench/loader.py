@@ -113,7 +113,9 @@ def run_plain(root: Path, num: int) -> int:
 
 
 def run_ours(root: Path, num: int, batch_size: int) -> int:
-    data = DataConfig(train=str(root), batch_size=batch_size, num_workers=0, shuffle_buffer=256, min_scale=0.08)
+    data = DataConfig(
+        train=str(root), batch_size=batch_size, num_workers=0, shuffle_buffer=256, min_scale=0.08
+    )
     loader = make_train_loader(dataset_info(root), data, rank=0, world_size=1, img_size=IMG, seed=0, epochs=1)
     n = 0
     for batch in loader:
@@ -127,8 +129,12 @@ def timed(fn: Callable[[], int]) -> dict:
     w0, c0 = time.perf_counter(), time.process_time()
     n = fn()
     wall, cpu = time.perf_counter() - w0, time.process_time() - c0
-    return {"images": n, "wall_s": round(wall, 3), "images_per_s": round(n / wall, 1),
-            "images_per_cpu_s": round(n / cpu, 1)}  # fmt: skip
+    return {
+        "images": n,
+        "wall_s": round(wall, 3),
+        "images_per_s": round(n / wall, 1),
+        "images_per_cpu_s": round(n / cpu, 1),
+    }
 
 
 def main() -> None:
@@ -193,7 +199,7 @@ def main() -> None:
             "source": "500x375 synthetic JPEG q90; small: re-encoded at longer side 256",
             "shard_mb": {k: round(v / 2**20, 1) for k, v in shard_bytes.items()},
             "write_s": round(write_s, 1),
-        },  # fmt: skip
+        },
         "images_per_s": {k: med(k) for k in settings},
         "images_per_cpu_s": {k: med(k, "images_per_cpu_s") for k in settings},
         "speedup_vs_plain_full": speedups,
@@ -210,7 +216,7 @@ def main() -> None:
             "torch": torch.__version__,
             "pillow": Image.__version__,
             "load_avg_1min": [round(x, 2) for x in load],
-        },  # fmt: skip
+        },
     }
     text = json.dumps(result, indent=2)
     print(text)

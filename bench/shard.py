@@ -44,10 +44,26 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run_shard(out: Path, num: int, workers: int, width: int, height: int, max_count: int) -> dict:
     cmd = [
-        sys.executable, "-m", "vitpipe", "shard", "synthetic", str(out), "--num", str(num), "--classes", "100",
-        "--width", str(width), "--height", str(height), "--max-count", str(max_count),
-        "--workers", str(workers), "--no-progress",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "vitpipe",
+        "shard",
+        "synthetic",
+        str(out),
+        "--num",
+        str(num),
+        "--classes",
+        "100",
+        "--width",
+        str(width),
+        "--height",
+        str(height),
+        "--max-count",
+        str(max_count),
+        "--workers",
+        str(workers),
+        "--no-progress",
+    ]
     load_before = os.getloadavg()[0]  # other work on the machine skews both numbers: record it
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

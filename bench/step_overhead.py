@@ -36,19 +36,27 @@ MODEL, IMG, BATCH, CLASSES = "vit_ti16", 64, 32, 100
 def batches(n: int = 8):
     g = torch.Generator().manual_seed(0)
     return [
-        {"image": torch.randint(0, 256, (BATCH, 3, IMG, IMG), dtype=torch.uint8, generator=g),
-         "target": torch.randint(0, CLASSES, (BATCH,), generator=g), "skipped": 0}
+        {
+            "image": torch.randint(0, 256, (BATCH, 3, IMG, IMG), dtype=torch.uint8, generator=g),
+            "target": torch.randint(0, CLASSES, (BATCH,), generator=g),
+            "skipped": 0,
+        }
         for _ in range(n)
-    ]  # fmt: skip
+    ]
 
 
 def ours(steps: int):
-    cfg = validate_config({
-        "name": "bench", "data": {"train": "unused", "batch_size": BATCH},
-        "model": {"name": MODEL, "img_size": IMG, "num_classes": CLASSES},
-        "objective": {"name": "supervised_softmax"}, "optim": {"steps": 10_000, "warmup_steps": 0},
-        "deepspeed": {"zero_stage": 0, "precision": "fp32"}, "cluster": {"launcher": "local"},
-    })  # fmt: skip
+    cfg = validate_config(
+        {
+            "name": "bench",
+            "data": {"train": "unused", "batch_size": BATCH},
+            "model": {"name": MODEL, "img_size": IMG, "num_classes": CLASSES},
+            "objective": {"name": "supervised_softmax"},
+            "optim": {"steps": 10_000, "warmup_steps": 0},
+            "deepspeed": {"zero_stage": 0, "precision": "fp32"},
+            "cluster": {"launcher": "local"},
+        }
+    )
     ctx = init_distributed(False)
     torch.manual_seed(0)
     objective = build_objective(cfg.objective)
@@ -100,12 +108,23 @@ def main() -> None:
         t_ours.append(run_ours())
     ratios = [o / b for o, b in zip(t_ours, t_bare)]
     result = {
-        "benchmark": "step_overhead", "model": MODEL, "img_size": IMG, "batch": BATCH, "steps_per_round": steps,
-        "rounds": rounds, "bare_step_s_median": statistics.median(t_bare), "ours_step_s_median": statistics.median(t_ours),
-        "ratio_median": statistics.median(ratios), "ratios": ratios, "goal_ratio_max": 1.10,
-        "meets_goal": statistics.median(ratios) <= 1.10, "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "machine": platform.machine(), "quick": args.quick,
-    }  # fmt: skip
+        "benchmark": "step_overhead",
+        "model": MODEL,
+        "img_size": IMG,
+        "batch": BATCH,
+        "steps_per_round": steps,
+        "rounds": rounds,
+        "bare_step_s_median": statistics.median(t_bare),
+        "ours_step_s_median": statistics.median(t_ours),
+        "ratio_median": statistics.median(ratios),
+        "ratios": ratios,
+        "goal_ratio_max": 1.10,
+        "meets_goal": statistics.median(ratios) <= 1.10,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "quick": args.quick,
+    }
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

@@ -54,12 +54,16 @@ def live_tensor_bytes() -> dict[tuple, int]:
 
 
 def measure(stage: int, model_name: str, img: int, precision: str) -> dict:
-    cfg = validate_config({
-        "name": "bench", "data": {"train": "unused", "batch_size": 2},
-        "model": {"name": model_name, "img_size": img, "num_classes": 1000},
-        "optim": {"steps": 100, "warmup_steps": 0}, "deepspeed": {"zero_stage": stage, "precision": precision},
-        "cluster": {"launcher": "local"},
-    })  # fmt: skip
+    cfg = validate_config(
+        {
+            "name": "bench",
+            "data": {"train": "unused", "batch_size": 2},
+            "model": {"name": model_name, "img_size": img, "num_classes": 1000},
+            "optim": {"steps": 100, "warmup_steps": 0},
+            "deepspeed": {"zero_stage": stage, "precision": precision},
+            "cluster": {"launcher": "local"},
+        }
+    )
     ctx = init_distributed(False)
     torch.manual_seed(0)
     before = set(live_tensor_bytes())
@@ -128,9 +132,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for stage in (0, 3):
             out = os.path.join(tmp, f"zero{stage}.json")
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
-                   "--worker-stage", str(stage), "--worker-out", out, "--precision", args.precision,
-                   *(["--quick"] if args.quick else [])]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                __file__,
+                "--worker-stage",
+                str(stage),
+                "--worker-out",
+                out,
+                "--precision",
+                args.precision,
+                *(["--quick"] if args.quick else []),
+            ]
             subprocess.run(
                 cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL
             )
@@ -139,12 +156,18 @@ def main() -> None:
     world = len(per_stage[0])
     ratio = max(r["total_bytes"] for r in per_stage[3]) / max(r["total_bytes"] for r in per_stage[0])
     result = {
-        "benchmark": "zero_memory", "model": model_name, "img_size": img, "world_size": world, "precision": args.precision,
+        "benchmark": "zero_memory",
+        "model": model_name,
+        "img_size": img,
+        "world_size": world,
+        "precision": args.precision,
         "per_rank": {f"rank{r}": {f"zero{s}": per_stage[s][r] for s in (0, 3)} for r in range(world)},
-        "ratio_zero3_over_zero0": ratio, "goal_ratio_max": 0.55, "meets_goal": ratio <= 0.55,
+        "ratio_zero3_over_zero0": ratio,
+        "goal_ratio_max": 0.55,
+        "meets_goal": ratio <= 0.55,
         "peak_rss_ratio_zero3_over_zero0": max(r["peak_rss_bytes"] for r in per_stage[3])
         / max(r["peak_rss_bytes"] for r in per_stage[0]),
-    }  # fmt: skip
+    }
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

@@ -42,11 +42,35 @@ def vitpipe(*args: str, env: dict | None = None) -> None:
 def shard(data: Path, size: dict) -> None:
     synthetic, digits = data / "synthetic", data / "digits"
     if not (synthetic / "manifest.json").is_file():
-        vitpipe("shard", "synthetic", str(synthetic), "--num", str(size["synthetic"]), "--classes", "20",
-                "--width", "96", "--height", "72", "--max-count", str(max(50, size["synthetic"] // 8)), "--no-progress")  # fmt: skip
+        vitpipe(
+            "shard",
+            "synthetic",
+            str(synthetic),
+            "--num",
+            str(size["synthetic"]),
+            "--classes",
+            "20",
+            "--width",
+            "96",
+            "--height",
+            "72",
+            "--max-count",
+            str(max(50, size["synthetic"] // 8)),
+            "--no-progress",
+        )
     if not (digits / "manifest.json").is_file():
-        vitpipe("shard", "digits", str(digits), "--size", "32", "--val-fraction", "0.2", "--max-count", "200",
-                "--no-progress")  # fmt: skip
+        vitpipe(
+            "shard",
+            "digits",
+            str(digits),
+            "--size",
+            "32",
+            "--val-fraction",
+            "0.2",
+            "--max-count",
+            "200",
+            "--no-progress",
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,7 +101,7 @@ def _demo(argv: list[str] | None) -> int:
         *(
             f"stages.{s}.data.train={data / 'digits'}"
             for s in ("finetune", "eval_finetune", "finetune_scratch", "eval_scratch")
-        ),  # fmt: skip
+        ),
         *(f"stages.{s}.optim.steps={size['finetune']}" for s in ("finetune", "finetune_scratch")),
         *(
             f"stages.{s}.optim.warmup_steps={size['finetune'] // 10}"
@@ -95,8 +119,19 @@ def _demo(argv: list[str] | None) -> int:
         local.stop(cluster)
     uri = f"sqlite:///{run_dir / 'mlflow.db'}"
     print(f"\nfinished in {time.time() - t0:.0f} s\n", flush=True)
-    vitpipe("compare", "--tracking-uri", uri, "--experiment", "demo", "--metric", "eval/top1",
-            "--metric", "fewshot/10shot", "--metric", "train/loss")  # fmt: skip
+    vitpipe(
+        "compare",
+        "--tracking-uri",
+        uri,
+        "--experiment",
+        "demo",
+        "--metric",
+        "eval/top1",
+        "--metric",
+        "fewshot/10shot",
+        "--metric",
+        "train/loss",
+    )
     figures = sorted(run_dir.glob("*/figures/*.png"))
     if figures:
         print("\nfigures:\n" + "\n".join(f"  {f}" for f in figures))

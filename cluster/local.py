@@ -48,10 +48,17 @@ def _node_ports() -> list[str]:
     """Free ports for a node's agents: their fixed defaults (e.g. 52365) collide when two Ray
     clusters share a machine, and the second cluster's job agent then never comes up."""
     return [
-        "--dashboard-agent-listen-port", str(_free_port()), "--dashboard-agent-grpc-port", str(_free_port()),
-        "--runtime-env-agent-port", str(_free_port()), "--metrics-export-port", str(_free_port()),
-        "--ray-client-server-port", str(_free_port()),
-    ]  # fmt: skip
+        "--dashboard-agent-listen-port",
+        str(_free_port()),
+        "--dashboard-agent-grpc-port",
+        str(_free_port()),
+        "--runtime-env-agent-port",
+        str(_free_port()),
+        "--metrics-export-port",
+        str(_free_port()),
+        "--ray-client-server-port",
+        str(_free_port()),
+    ]
 
 
 def ensure_token() -> None:
@@ -72,17 +79,26 @@ def start_head(temp_dir: str, num_cpus: int = 4, include_dashboard: bool = True)
     ensure_token()
     port, dash = _free_port(), _free_port()
     cmd = [
-        _ray_bin(), "start", "--head",
-        "--node-ip-address", "127.0.0.1",
-        "--port", str(port),
-        "--num-cpus", str(num_cpus),
-        "--temp-dir", temp_dir,
-        "--include-dashboard", str(include_dashboard).lower(),
-        "--dashboard-host", "127.0.0.1",
-        "--dashboard-port", str(dash),
+        _ray_bin(),
+        "start",
+        "--head",
+        "--node-ip-address",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--num-cpus",
+        str(num_cpus),
+        "--temp-dir",
+        temp_dir,
+        "--include-dashboard",
+        str(include_dashboard).lower(),
+        "--dashboard-host",
+        "127.0.0.1",
+        "--dashboard-port",
+        str(dash),
         "--disable-usage-stats",
         *_node_ports(),
-    ]  # fmt: skip
+    ]
     proc = subprocess.run(cmd, env=auth_env(), capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"`{' '.join(cmd)}` failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
@@ -96,10 +112,21 @@ def add_worker_node(cluster: LocalCluster, num_cpus: int = 2, name: str = "worke
     runtime-env packages, deleting a running job's working directory.
     """
     cmd = [
-        _ray_bin(), "start", "--address", cluster.address, "--node-ip-address", "127.0.0.1",
-        "--temp-dir", f"{cluster.temp_dir}-{name}",
-        "--num-cpus", str(num_cpus), "--resources", json.dumps({f"node:{name}": 1}), "--disable-usage-stats", *_node_ports(),
-    ]  # fmt: skip
+        _ray_bin(),
+        "start",
+        "--address",
+        cluster.address,
+        "--node-ip-address",
+        "127.0.0.1",
+        "--temp-dir",
+        f"{cluster.temp_dir}-{name}",
+        "--num-cpus",
+        str(num_cpus),
+        "--resources",
+        json.dumps({f"node:{name}": 1}),
+        "--disable-usage-stats",
+        *_node_ports(),
+    ]
     proc = subprocess.run(cmd, env=auth_env(), capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"`{' '.join(cmd)}` failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")

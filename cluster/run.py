@@ -142,8 +142,13 @@ def run_experiment(exp: Experiment) -> int:
     stopper = _StopOnSigterm()  # after ray.init, which installs a SIGTERM handler of its own
     parent_file = exp.parent_run_file
     previous = read_run_id(parent_file)
-    parent = open_parent_run(exp.tracking_uri, exp.name, exp.name, previous,
-                             tags={"stages": ",".join(n for n, _ in exp.stages), "config": exp.source})  # fmt: skip
+    parent = open_parent_run(
+        exp.tracking_uri,
+        exp.name,
+        exp.name,
+        previous,
+        tags={"stages": ",".join(n for n, _ in exp.stages), "config": exp.source},
+    )
     write_run_id(parent_file, parent)
     print(f"[{exp.name}] MLflow parent run {parent} at {exp.tracking_uri}", flush=True)
     for name, cfg in exp.stages:
@@ -169,8 +174,15 @@ def run_experiment(exp: Experiment) -> int:
             why = "stopped; resubmit to resume" if status == "KILLED" else f"failed: {error}"
             print(f"[{exp.name}] stage {name} {why}", file=sys.stderr, flush=True)
             return 128 + signal.SIGTERM if status == "KILLED" else 1
-        summary = {f"{name}/{k.split('/')[-1]}": v for k, v in run_metrics(exp.tracking_uri, stage_run).items()
-                   if not k.startswith("system/")} if stage_run else {}  # fmt: skip
+        summary = (
+            {
+                f"{name}/{k.split('/')[-1]}": v
+                for k, v in run_metrics(exp.tracking_uri, stage_run).items()
+                if not k.startswith("system/")
+            }
+            if stage_run
+            else {}
+        )
         log_to_run(exp.tracking_uri, parent, metrics=summary, tags={f"stage.{name}.run_id": stage_run or ""})
         export = str(cfg.run_path / "export") if cfg.kind == "train" else None
         record = {"stage": name, "mlflow_run_id": stage_run, "finished_at": time.time(), "export": export}

@@ -23,8 +23,21 @@ from pipeline.config import input_problems, load_experiment
 
 # Ray's limit on a job's uploaded working directory (ray issue 45602: .git is not excluded by default).
 UPLOAD_LIMIT_BYTES = 100 * 1024**2
-EXCLUDES = [".git", ".venv", "venv", "data", "runs", "mlruns", "*.db", "__pycache__", ".pytest_cache",
-            ".ruff_cache", "*.egg-info", ".whl", ".gl"]  # fmt: skip
+EXCLUDES = [
+    ".git",
+    ".venv",
+    "venv",
+    "data",
+    "runs",
+    "mlruns",
+    "*.db",
+    "__pycache__",
+    ".pytest_cache",
+    ".ruff_cache",
+    "*.egg-info",
+    ".whl",
+    ".gl",
+]
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 STOP_WAIT_S = 300  # grace between `ray job stop`'s SIGTERM and its SIGKILL (the job supervisor reads it)
 
@@ -79,8 +92,14 @@ def submission_id(experiment: str) -> str:
     return f"{experiment}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def submit(config: str, overrides: list[str], address: str | None, python: str = "python",
-           env: dict[str, str] | None = None, root: Path | None = None) -> str:  # fmt: skip
+def submit(
+    config: str,
+    overrides: list[str],
+    address: str | None,
+    python: str = "python",
+    env: dict[str, str] | None = None,
+    root: Path | None = None,
+) -> str:
     """Validate the config here (fail before upload), check the upload size, submit; returns the id."""
     exp = load_experiment(config, overrides)  # a typo fails here, not after an upload
     for problem in input_problems(exp):  # a warning: the data may live on the cluster, which checks again
@@ -91,8 +110,10 @@ def submit(config: str, overrides: list[str], address: str | None, python: str =
     try:
         rel_config = cfg_path.relative_to(root).as_posix()
     except ValueError:  # only a cluster on this machine can read it: fine for local runs and tests
-        print(f"warning: {config} is outside the uploaded working directory; passing its absolute path",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"warning: {config} is outside the uploaded working directory; passing its absolute path",
+            file=sys.stderr,
+        )
         rel_config = str(cfg_path)
     use_gpu = any(c.cluster.use_gpu for _, c in exp.stages)
     env_vars = {
@@ -137,9 +158,14 @@ def follow(sid: str, address: str | None) -> str:
 def list_jobs(address: str | None) -> list[dict]:
     rows = []
     for j in client(address).list_jobs():
-        rows.append({"id": j.submission_id or j.job_id, "status": str(getattr(j.status, "value", j.status)),
-                     "start": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime((j.start_time or 0) / 1000)),
-                     "entrypoint": j.entrypoint})  # fmt: skip
+        rows.append(
+            {
+                "id": j.submission_id or j.job_id,
+                "status": str(getattr(j.status, "value", j.status)),
+                "start": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime((j.start_time or 0) / 1000)),
+                "entrypoint": j.entrypoint,
+            }
+        )
     return sorted(rows, key=lambda r: r["start"])
 
 

@@ -83,19 +83,29 @@ class BuildReport:
 def job_fingerprint(source: Source, opts: BuildOptions) -> str:
     """Everything besides the items that changes a shard's bytes; part of every shard's fingerprint."""
     parts = {
-        "format_version": FORMAT_VERSION, "writer": WRITER_VERSION, "source": source.describe(),
-        "multi_label": source.multi_label, "resize_max": opts.resize_max, "quality": opts.quality,
+        "format_version": FORMAT_VERSION,
+        "writer": WRITER_VERSION,
+        "source": source.describe(),
+        "multi_label": source.multi_label,
+        "resize_max": opts.resize_max,
+        "quality": opts.quality,
         "pillow": PIL.__version__,
-    }  # fmt: skip
+    }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
 def _progress(total: int | None, enabled: bool) -> tqdm:
     tty = sys.stderr.isatty()
     return tqdm(
-        total=total, unit="img", desc="shard", file=sys.stderr, disable=not enabled,
-        mininterval=0.5 if tty else 15.0, smoothing=0.05, dynamic_ncols=True,
-    )  # fmt: skip
+        total=total,
+        unit="img",
+        desc="shard",
+        file=sys.stderr,
+        disable=not enabled,
+        mininterval=0.5 if tty else 15.0,
+        smoothing=0.05,
+        dynamic_ncols=True,
+    )
 
 
 def build_dataset(
@@ -109,9 +119,15 @@ def build_dataset(
     # The manifest marks a complete dataset; shards are about to change, so it goes first.
     (root / MANIFEST).unlink(missing_ok=True)
     planner = Planner(
-        root, source, job_fingerprint(source, opts), name=opts.name, max_count=opts.max_count,
-        max_size=opts.max_size, val_fraction=opts.val_fraction, seed=opts.seed,
-    )  # fmt: skip
+        root,
+        source,
+        job_fingerprint(source, opts),
+        name=opts.name,
+        max_count=opts.max_count,
+        max_size=opts.max_size,
+        val_fraction=opts.val_fraction,
+        seed=opts.seed,
+    )
     if source.mix:  # the whole listing comes first (hash order): count it where people can see
         with tqdm(
             unit="file", desc="listing", file=sys.stderr, disable=not opts.progress, mininterval=1.0
@@ -174,11 +190,15 @@ def _finish(
         )
         return report
     manifest = Manifest(
-        classes=list(source.classes), multi_label=source.multi_label,
+        classes=list(source.classes),
+        multi_label=source.multi_label,
         shards=[ShardInfo(r.split, r.path, r.count, r.bytes, r.sha256) for r in ordered if r.count],
-        command=command, options=options, name=opts.name,
-        num_inputs=report.num_inputs, num_errors=report.num_errors,
-    )  # fmt: skip
+        command=command,
+        options=options,
+        name=opts.name,
+        num_inputs=report.num_inputs,
+        num_errors=report.num_errors,
+    )
     write_manifest(root, manifest)  # last: its presence marks the dataset complete
     report.manifest = manifest
     return report
@@ -213,10 +233,15 @@ def _reason_kind(reason: str) -> str:
 
 def _write_errors(root: Path, name: str, results: list[ShardResult], listing_log: Path) -> dict[str, int]:
     """errors.parquet: listing rejections, then each shard's; returns counts per kind of reason."""
-    schema = pa.schema([
-        ("key", pa.string()), ("source", pa.string()), ("stage", pa.string()),
-        ("reason", pa.string()), ("shard", pa.string()),
-    ])  # fmt: skip
+    schema = pa.schema(
+        [
+            ("key", pa.string()),
+            ("source", pa.string()),
+            ("stage", pa.string()),
+            ("reason", pa.string()),
+            ("shard", pa.string()),
+        ]
+    )
     counts: dict[str, int] = {}
 
     def batches():

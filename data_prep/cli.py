@@ -86,18 +86,32 @@ def _common_options() -> argparse.ArgumentParser:
     g.add_argument(
         "--val-fraction", type=_fraction, default=0.0, help="held-out fraction, by a hash of the key"
     )
-    g.add_argument("--resize-max", type=_positive, default=None, metavar="PX",
-                   help="re-encode images whose longer side is over PX, same format")  # fmt: skip
-    g.add_argument("--quality", type=_positive, default=95,
-                   help="JPEG/WebP quality of re-encoded images (--resize-max; GIF/BMP/TIFF become PNG)")  # fmt: skip
+    g.add_argument(
+        "--resize-max",
+        type=_positive,
+        default=None,
+        metavar="PX",
+        help="re-encode images whose longer side is over PX, same format",
+    )
+    g.add_argument(
+        "--quality",
+        type=_positive,
+        default=95,
+        help="JPEG/WebP quality of re-encoded images (--resize-max; GIF/BMP/TIFF become PNG)",
+    )
     g.add_argument(
         "--workers", type=_positive, default=default_workers(), help="worker processes (default: all cores)"
     )
     g.add_argument(
         "--ray", action="store_true", help="one Ray task per shard on the current cluster (RAY_ADDRESS)"
     )
-    g.add_argument("--max-errors", type=_fraction, default=0.1, metavar="FRACTION",
-                   help="fail if more than this fraction of inputs is rejected (default 0.1)")  # fmt: skip
+    g.add_argument(
+        "--max-errors",
+        type=_fraction,
+        default=0.1,
+        metavar="FRACTION",
+        help="fail if more than this fraction of inputs is rejected (default 0.1)",
+    )
     g.add_argument(
         "--seed", type=int, default=0, help="generator seed (synthetic); shard order and split salt (others)"
     )
@@ -110,10 +124,18 @@ def _common_options() -> argparse.ArgumentParser:
 
 def _options(args: argparse.Namespace) -> BuildOptions:
     return BuildOptions(
-        name=args.name, max_count=args.max_count, max_size=args.max_size, val_fraction=args.val_fraction,
-        resize_max=args.resize_max, quality=args.quality, workers=args.workers, use_ray=args.ray,
-        max_errors=args.max_errors, seed=args.seed, progress=args.progress,
-    )  # fmt: skip
+        name=args.name,
+        max_count=args.max_count,
+        max_size=args.max_size,
+        val_fraction=args.val_fraction,
+        resize_max=args.resize_max,
+        quality=args.quality,
+        workers=args.workers,
+        use_ray=args.ray,
+        max_errors=args.max_errors,
+        seed=args.seed,
+        progress=args.progress,
+    )
 
 
 def _print_report(r: BuildReport) -> int:
@@ -127,8 +149,11 @@ def _print_report(r: BuildReport) -> int:
         top = ", ".join(f"{n} {kind}" for kind, n in sorted(r.reasons.items(), key=lambda kv: -kv[1])[:4])
         print(f"rejected {r.num_errors} of {r.num_inputs} inputs ({top}); listed in {r.out / ERRORS}")
     if r.over_size:
-        print(f"warning: {len(r.over_size)} shards exceed --max-size (re-encoded or generated images were "
-              f"larger than estimated): {', '.join(r.over_size[:5])}", file=sys.stderr)  # fmt: skip
+        print(
+            f"warning: {len(r.over_size)} shards exceed --max-size (re-encoded or generated images were "
+            f"larger than estimated): {', '.join(r.over_size[:5])}",
+            file=sys.stderr,
+        )
     if r.failure:
         print(f"vitpipe shard: {r.failure}", file=sys.stderr)
         return 1
@@ -155,9 +180,13 @@ def _manifest(args: argparse.Namespace) -> int:
 
 def _synthetic(args: argparse.Namespace) -> int:
     source = SyntheticSource(
-        args.num, args.classes, seed=args.seed, labels_per_image=args.labels_per_image,
-        width=args.width, height=args.height,
-    )  # fmt: skip
+        args.num,
+        args.classes,
+        seed=args.seed,
+        labels_per_image=args.labels_per_image,
+        width=args.width,
+        height=args.height,
+    )
     return _run(source, args)
 
 

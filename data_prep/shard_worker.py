@@ -71,9 +71,17 @@ def completed(task: ShardTask, job: ShardJob) -> ShardResult | None:
         except OSError:
             return None
     return ShardResult(
-        task.split, task.index, task.path, side["count"], side["bytes"], side["sha256"],
-        len(task.items), len(side["errors"]), resumed=True, seconds=0.0,
-    )  # fmt: skip
+        task.split,
+        task.index,
+        task.path,
+        side["count"],
+        side["bytes"],
+        side["sha256"],
+        len(task.items),
+        len(side["errors"]),
+        resumed=True,
+        seconds=0.0,
+    )
 
 
 def write_planned_shard(task: ShardTask, job: ShardJob) -> ShardResult:
@@ -97,18 +105,32 @@ def write_planned_shard(task: ShardTask, job: ShardJob) -> ShardResult:
     # Every input rejected: no shard file, the sidecar still records the shard as done.
     shard = write_shard(root / task.path, task.path, samples(), job.multi_label)
     side = {
-        "fingerprint": task.fingerprint, "split": task.split, "index": task.index, "path": task.path,
-        "count": shard.count, "bytes": shard.bytes, "sha256": shard.sha256,
+        "fingerprint": task.fingerprint,
+        "split": task.split,
+        "index": task.index,
+        "path": task.path,
+        "count": shard.count,
+        "bytes": shard.bytes,
+        "sha256": shard.sha256,
         "planned_bytes": task.planned_bytes,
-        "rows": shard.rows, "errors": errors,
-    }  # fmt: skip
+        "rows": shard.rows,
+        "errors": errors,
+    }
     side_path = sidecar_path(root, task.split, job.name, task.index)
     side_path.parent.mkdir(parents=True, exist_ok=True)
     atomic.write_bytes(side_path, json.dumps(side).encode())
     return ShardResult(
-        task.split, task.index, task.path, shard.count, shard.bytes, shard.sha256, len(task.items), len(errors),
-        resumed=False, seconds=time.perf_counter() - t0,
-    )  # fmt: skip
+        task.split,
+        task.index,
+        task.path,
+        shard.count,
+        shard.bytes,
+        shard.sha256,
+        len(task.items),
+        len(errors),
+        resumed=False,
+        seconds=time.perf_counter() - t0,
+    )
 
 
 def read_sidecar(root: Path, name: str, split: str, index: int) -> dict:

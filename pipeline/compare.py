@@ -527,8 +527,14 @@ def plot_metric(client: MlflowClient, runs: Sequence[Run], metric: str, out: Pat
         by_step = {m.step: m.value for m in history}  # last write wins per step, as MLflow's "latest"
         steps = sorted(by_step)
         label = name if names.count(name) == 1 else f"{name} ({r.info.run_id[:8]})"
-        ax.plot(steps, [by_step[s] for s in steps], label=label, linewidth=1.5,
-                marker="o" if len(steps) <= 30 else None, markersize=3)  # fmt: skip
+        ax.plot(
+            steps,
+            [by_step[s] for s in steps],
+            label=label,
+            linewidth=1.5,
+            marker="o" if len(steps) <= 30 else None,
+            markersize=3,
+        )
         lines += 1
     ax.set_xlabel("step")
     ax.set_ylabel(metric)
@@ -567,20 +573,28 @@ def add_compare_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--run", action="append", default=[], metavar="ID", help="run id (repeatable)")
     p.add_argument("--no-children", action="store_true", help="leave out nested child runs")
     p.add_argument(
-        "--metric", action="append", default=[], metavar="NAME",
+        "--metric",
+        action="append",
+        default=[],
+        metavar="NAME",
         help="metric column (repeatable); default every metric but system/*",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--agg", choices=AGGREGATIONS, default="final",
+        "--agg",
+        choices=AGGREGATIONS,
+        default="final",
         help="value per run: final step, min, max, or best (min for *loss*, else max); default final",
-    )  # fmt: skip
+    )
     p.add_argument("--sort", metavar="COLUMN", help="sort rows by this metric (or param) column")
     p.add_argument("--desc", action="store_true", help="sort in descending order")
     p.add_argument("--format", choices=FORMATS, default="table", help="output format")
     p.add_argument(
-        "--width", type=int, default=TABLE_WIDTH, metavar="COLS",
+        "--width",
+        type=int,
+        default=TABLE_WIDTH,
+        metavar="COLS",
         help=f"characters the plain table fits (default {TABLE_WIDTH})",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--wide", action="store_true", help="every differing param and metric, cells in full (csv always is)"
     )

@@ -165,11 +165,12 @@ class TeacherConfig(_Section):
 
 
 class ObjectiveConfig(_Section):
-    name: Literal["supervised_softmax", "supervised_sigmoid", "mae", "simmim", "masked_patch_prediction",
-                  "distill"] = Field(
+    name: Literal[
+        "supervised_softmax", "supervised_sigmoid", "mae", "simmim", "masked_patch_prediction", "distill"
+    ] = Field(
         "supervised_softmax",
         description="Training objective; mae needs an mae_* model, simmim a simmim_* model (Swin, CvT, TNT).",
-    )  # fmt: skip
+    )
     label_smoothing: float = Field(0.0, ge=0.0, lt=1.0, description="Label smoothing (softmax and distill).")
     head_bias_init: float | None = Field(
         None, description="Classifier bias init; null means 0 for softmax and -10 for sigmoid (big_vision)."
@@ -813,8 +814,13 @@ def load_experiment(path: str | os.PathLike, overrides: list[str] | None = None)
     raw = _read_yaml(path)
     if "stages" not in raw:
         cfg = load_config(path, overrides)
-        return Experiment(name=cfg.name, run_path=cfg.run_path, tracking_uri=cfg.tracking_uri,
-                          stages=[(cfg.name, cfg)], source=str(path))  # fmt: skip
+        return Experiment(
+            name=cfg.name,
+            run_path=cfg.run_path,
+            tracking_uri=cfg.tracking_uri,
+            stages=[(cfg.name, cfg)],
+            source=str(path),
+        )
     raw = _with_bases(raw, path, seen=(path.resolve(),))
     raw = apply_overrides(raw, list(overrides or []))
     try:

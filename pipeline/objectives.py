@@ -221,10 +221,16 @@ class Distillation:
             dist = F.cross_entropy(dist_logits.float(), t_logits.argmax(-1))
         else:
             tau = self.cfg.distill_tau
-            dist = F.kl_div(
-                F.log_softmax(dist_logits.float() / tau, -1), F.log_softmax(t_logits / tau, -1),
-                reduction="batchmean", log_target=True,
-            ) * tau * tau  # fmt: skip
+            dist = (
+                F.kl_div(
+                    F.log_softmax(dist_logits.float() / tau, -1),
+                    F.log_softmax(t_logits / tau, -1),
+                    reduction="batchmean",
+                    log_target=True,
+                )
+                * tau
+                * tau
+            )
         alpha = self.cfg.distill_alpha
         loss = (1 - alpha) * base + alpha * dist
         agree = (dist_logits.argmax(-1) == t_logits.argmax(-1)).float().mean()
@@ -244,7 +250,7 @@ OBJECTIVES = {
         SimMIMObjective,
         MaskedPatchPrediction,
         Distillation,
-    )  # fmt: skip
+    )
 }
 
 

@@ -67,8 +67,12 @@ class Tracker:
         if parent_run_id:
             all_tags["mlflow.parentRunId"] = parent_run_id
         if run_id is None:
-            run = mlflow.start_run(run_name=run_name, tags=all_tags, experiment_id=exp.experiment_id,
-                                   log_system_metrics=system_metrics)  # fmt: skip
+            run = mlflow.start_run(
+                run_name=run_name,
+                tags=all_tags,
+                experiment_id=exp.experiment_id,
+                log_system_metrics=system_metrics,
+            )
         else:
             run = mlflow.start_run(run_id=run_id, log_system_metrics=system_metrics)
             history = mlflow.MlflowClient().get_metric_history(run_id, "train/loss")
@@ -131,8 +135,13 @@ def open_parent_run(
     return client.create_run(exp_id, run_name=run_name, tags=dict(tags)).info.run_id
 
 
-def log_to_run(uri: str, run_id: str, metrics: Mapping[str, float] | None = None,
-               params: Mapping[str, object] | None = None, tags: Mapping[str, str] | None = None) -> None:  # fmt: skip
+def log_to_run(
+    uri: str,
+    run_id: str,
+    metrics: Mapping[str, float] | None = None,
+    params: Mapping[str, object] | None = None,
+    tags: Mapping[str, str] | None = None,
+) -> None:
     from mlflow import MlflowClient
 
     client = MlflowClient(uri)

@@ -68,9 +68,15 @@ class EvalStream(IterableDataset):
         self.num_batches = math.ceil(max(per_rank) / batch_size)
         log.info(
             "eval rank %d/%d: %d of %d samples (assigned by %s), %d batches of %d, %d padding",
-            rank, world_size, self.num_samples, starts[-1], "shard" if self.by_shard else "sample index",
-            self.num_batches, batch_size, self.num_batches * batch_size - self.num_samples,
-        )  # fmt: skip
+            rank,
+            world_size,
+            self.num_samples,
+            starts[-1],
+            "shard" if self.by_shard else "sample index",
+            self.num_batches,
+            batch_size,
+            self.num_batches * batch_size - self.num_samples,
+        )
 
     def _position(self, first: int, k: int) -> int | None:
         """Rank position of sample k of a shard whose first sample is at `first`; None: another rank's."""

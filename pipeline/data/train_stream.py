@@ -160,9 +160,13 @@ class ShardStream(IterableDataset):
                 return
             urls = self.shards_for(e, worker, num_workers)
             yield _Round(
-                e, urls, (seeds.SHUFFLE, self.seed, e, self.rank, worker),
-                (seeds.AUGMENT, self.seed, e, self.rank, worker), self._count(urls), quota,
-            )  # fmt: skip
+                e,
+                urls,
+                (seeds.SHUFFLE, self.seed, e, self.rank, worker),
+                (seeds.AUGMENT, self.seed, e, self.rank, worker),
+                self._count(urls),
+                quota,
+            )
 
     def resampled_rounds(self, worker: int, num_workers: int) -> Iterator[_Round]:
         """Resampled mode: rounds of shards drawn with replacement from (seed, rank, worker)."""
@@ -172,9 +176,13 @@ class ShardStream(IterableDataset):
         for k in itertools.count():
             mine = [urls[i] for i in draw.integers(len(urls), size=per_round)]
             yield _Round(
-                k, mine, (seeds.ROUND_SHUFFLE, self.seed, self.rank, worker, k),
-                (seeds.ROUND_AUGMENT, self.seed, self.rank, worker, k), self._count(mine), None,
-            )  # fmt: skip
+                k,
+                mine,
+                (seeds.ROUND_SHUFFLE, self.seed, self.rank, worker, k),
+                (seeds.ROUND_AUGMENT, self.seed, self.rank, worker, k),
+                self._count(mine),
+                None,
+            )
 
     def _resume(self, worker: int, num_workers: int) -> tuple[Iterator[_Round], int, int]:
         """The worker's rounds from its resume point, batches already made in the first of them,
@@ -213,8 +221,11 @@ class ShardStream(IterableDataset):
                 raise DatasetError(f"rank {self.rank}: no readable sample in {rnd.urls}")
             log.warning(
                 "rank %d epoch %d: too few readable samples for the %d batches every worker owes; "
-                "reading its shards again", self.rank, rnd.index, rnd.quota,
-            )  # fmt: skip
+                "reading its shards again",
+                self.rank,
+                rnd.index,
+                rnd.quota,
+            )
 
     def _augment(self, img: Image.Image, rng: np.random.Generator) -> torch.Tensor:
         return train_tensor(img, self.img_size, rng, self.min_scale, self.randaugment, self.hflip)

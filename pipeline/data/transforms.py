@@ -185,9 +185,20 @@ def translate_y(img: Image.Image, magnitude: float, rng: np.random.Generator) ->
 
 
 RAND_AUGMENT_OPS: tuple[Callable[[Image.Image, float, np.random.Generator], Image.Image], ...] = (
-    auto_contrast, equalize, rotate, solarize, color, posterize, contrast, brightness, sharpness,
-    shear_x, shear_y, translate_x, translate_y,
-)  # fmt: skip
+    auto_contrast,
+    equalize,
+    rotate,
+    solarize,
+    color,
+    posterize,
+    contrast,
+    brightness,
+    sharpness,
+    shear_x,
+    shear_y,
+    translate_x,
+    translate_y,
+)
 
 
 def rand_augment(img: Image.Image, num_ops: int, magnitude: float, rng: np.random.Generator) -> Image.Image:

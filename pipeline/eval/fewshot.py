@@ -141,8 +141,15 @@ def linear_probe(
         x_train.shape[1], num_classes, dtype=dtype, device=x_train.device, requires_grad=True
     )
     bias = torch.zeros(num_classes, dtype=dtype, device=x_train.device, requires_grad=True)
-    optimizer = torch.optim.LBFGS([weight, bias], lr=1.0, max_iter=steps, history_size=20,
-                                  line_search_fn="strong_wolfe", tolerance_grad=1e-9, tolerance_change=1e-12)  # fmt: skip
+    optimizer = torch.optim.LBFGS(
+        [weight, bias],
+        lr=1.0,
+        max_iter=steps,
+        history_size=20,
+        line_search_fn="strong_wolfe",
+        tolerance_grad=1e-9,
+        tolerance_change=1e-12,
+    )
 
     def objective() -> torch.Tensor:
         loss = F.cross_entropy(x_train @ weight + bias, y_train) + 0.5 * weight_decay * weight.square().sum()

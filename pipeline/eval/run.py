@@ -86,8 +86,15 @@ def _amp_dtype(cfg: StageConfig, device: torch.device) -> torch.dtype | None:
 
 
 @torch.no_grad()
-def embed_split(model: nn.Module, loader: DataLoader, device: torch.device, *, with_logits: bool,
-                max_batches: int | None = None, amp_dtype: torch.dtype | None = None) -> SplitPass:  # fmt: skip
+def embed_split(
+    model: nn.Module,
+    loader: DataLoader,
+    device: torch.device,
+    *,
+    with_logits: bool,
+    max_batches: int | None = None,
+    amp_dtype: torch.dtype | None = None,
+) -> SplitPass:
     """Pre-logits (and logits) of every batch the loader yields, up to max_batches."""
     feats, logits, targets, valid, keys = [], [], [], [], []
     images = None
@@ -107,15 +114,24 @@ def embed_split(model: nn.Module, loader: DataLoader, device: torch.device, *, w
             images = x[batch["valid"].to(device)][:FIGURE_IMAGES]
     if not feats:
         raise ValueError("the eval loader yielded no batch")
-    return SplitPass(torch.cat(feats), torch.cat(logits) if with_logits else None, torch.cat(targets),
-                     torch.cat(valid), keys, images)  # fmt: skip
+    return SplitPass(
+        torch.cat(feats),
+        torch.cat(logits) if with_logits else None,
+        torch.cat(targets),
+        torch.cat(valid),
+        keys,
+        images,
+    )
 
 
 def gather_valid(part: SplitPass, ctx: DistContext) -> dict | None:
     """On rank 0: every rank's valid rows in key order {"features", "targets", "logits"?, "keys"}; else None."""
     v = part.valid
-    local = {"features": part.features[v], "targets": part.targets[v],
-             "keys": [k for k, ok in zip(part.keys, v.tolist()) if ok]}  # fmt: skip
+    local = {
+        "features": part.features[v],
+        "targets": part.targets[v],
+        "keys": [k for k, ok in zip(part.keys, v.tolist()) if ok],
+    }
     if part.logits is not None:
         local["logits"] = part.logits[v]
     parts: list | None = [None] * ctx.world_size if ctx.is_main else None
@@ -171,20 +187,34 @@ def linear_metrics(
         return {}, details
     metrics: dict[str, float] = {}
     if e.fewshot_shots:
-        fs = fewshot_ridge(x_tr, y_tr, x_te, y_te, num_classes=num_classes, shots=e.fewshot_shots,
-                           seeds=e.fewshot_seeds, l2_reg=e.fewshot_l2)  # fmt: skip
+        fs = fewshot_ridge(
+            x_tr,
+            y_tr,
+            x_te,
+            y_te,
+            num_classes=num_classes,
+            shots=e.fewshot_shots,
+            seeds=e.fewshot_seeds,
+            l2_reg=e.fewshot_l2,
+        )
         metrics.update({f"fewshot/{s}shot": fs[f"{s}shot"] for s in e.fewshot_shots})
         details["fewshot"] = fs  # means and every seed
     if e.linear_probe:
-        metrics.update({f"probe/{k}": v for k, v in linear_probe(x_tr, y_tr, x_te, y_te, num_classes=num_classes).items()})  # fmt: skip
+        metrics.update(
+            {
+                f"probe/{k}": v
+                for k, v in linear_probe(x_tr, y_tr, x_te, y_te, num_classes=num_classes).items()
+            }
+        )
     return metrics, details
 
 
 # ---------------------------------------------------------------- the stage
 
 
-def _figures(cfg: StageConfig, model: nn.Module, images: torch.Tensor | None,
-             tracker: Tracker) -> dict[str, str]:  # fmt: skip
+def _figures(
+    cfg: StageConfig, model: nn.Module, images: torch.Tensor | None, tracker: Tracker
+) -> dict[str, str]:
     """Rank 0: analysis PNGs and the source stage's loss curve as artifacts; returns {skipped: why}."""
     out = cfg.run_path / "figures"
     written, skipped = model_figures(model, images, out)
@@ -202,8 +232,9 @@ def _figures(cfg: StageConfig, model: nn.Module, images: torch.Tensor | None,
     return skipped
 
 
-def evaluate(cfg: StageConfig, report: Callable[[dict], None] | None = None,
-             parent_run_id: str | None = None) -> dict[str, float]:  # fmt: skip
+def evaluate(
+    cfg: StageConfig, report: Callable[[dict], None] | None = None, parent_run_id: str | None = None
+) -> dict[str, float]:
     """Run the eval stage on this rank; returns the metrics (the same dict on every rank)."""
     if cfg.model.init_from is None:
         raise ValueError(f"{cfg.name}: an eval stage needs model.init_from")
@@ -224,8 +255,11 @@ def evaluate(cfg: StageConfig, report: Callable[[dict], None] | None = None,
     tags = {"kind": "eval", "init_from": str(cfg.model.init_from)}
     with stage.tracking(tags, parent_run_id) as tracker:
         if ctx.is_main:
-            print(f"[{cfg.name}] eval of {cfg.model.init_from} (step {meta.get('step', '?')}) | "
-                  f"{cfg.data.train} {e.eval_split} | world {ctx.world_size} | batch {batch_size}", flush=True)  # fmt: skip
+            print(
+                f"[{cfg.name}] eval of {cfg.model.init_from} (step {meta.get('step', '?')}) | "
+                f"{cfg.data.train} {e.eval_split} | world {ctx.world_size} | batch {batch_size}",
+                flush=True,
+            )
 
         # -- passes: eval split in full; train split up to the cap, in whole batches on every rank
         linear = bool(e.fewshot_shots) or e.linear_probe
@@ -240,8 +274,9 @@ def evaluate(cfg: StageConfig, report: Callable[[dict], None] | None = None,
             train_loader = make_eval_loader(train_info, cfg.data, **loader_args)
             cap = e.fewshot_max_train
             max_batches = math.ceil(cap / (ctx.world_size * batch_size)) if cap else None
-            train = embed_split(model, train_loader, ctx.device, with_logits=False, max_batches=max_batches,
-                                amp_dtype=amp)  # fmt: skip
+            train = embed_split(
+                model, train_loader, ctx.device, with_logits=False, max_batches=max_batches, amp_dtype=amp
+            )
 
         # -- classification: masked sums all-reduced; mAP from the gathered rows
         metrics: dict[str, float] = {}

@@ -85,8 +85,11 @@ def load_timm_state_dict(
             sd[k] = own[k]  # keep the model's freshly initialised head
     missing = sorted(set(own) - set(sd))
     unexpected = sorted(set(sd) - set(own))
-    shapes = [f"{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}"
-              for k in sorted(set(sd) & set(own)) if sd[k].shape != own[k].shape]  # fmt: skip
+    shapes = [
+        f"{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}"
+        for k in sorted(set(sd) & set(own))
+        if sd[k].shape != own[k].shape
+    ]
     if missing or unexpected or shapes:
         raise CheckpointMismatch(missing, unexpected, shapes)
     model.load_state_dict(sd)

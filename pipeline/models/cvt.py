@@ -324,8 +324,10 @@ class ConvolutionalVisionTransformer(MaskedImageModelling, nn.Module):
         if self.mask_token is None:
             raise RuntimeError("forward_mim needs the model built with mask_token=True")
         B, _, H, W = x.shape
-        grid = (conv_out(H, EMBED_KERNELS[0], EMBED_STRIDES[0], EMBED_PADDINGS[0]),
-                conv_out(W, EMBED_KERNELS[0], EMBED_STRIDES[0], EMBED_PADDINGS[0]))  # fmt: skip
+        grid = (
+            conv_out(H, EMBED_KERNELS[0], EMBED_STRIDES[0], EMBED_PADDINGS[0]),
+            conv_out(W, EMBED_KERNELS[0], EMBED_STRIDES[0], EMBED_PADDINGS[0]),
+        )
         if tuple(mask.shape) != (B, *grid):
             raise ValueError(
                 f"mask must be [B, H/{self.mim_patch_size}, W/{self.mim_patch_size}] = {[B, *grid]} "

@@ -326,8 +326,19 @@ class LevitDownsample(nn.Module):
 class LevitStage(nn.Module):
     """Optional LevitDownsample (every stage but the first), then `depth` LevitBlocks."""
 
-    def __init__(self, in_dim, out_dim, key_dim, depth, num_heads, attn_ratio, mlp_ratio, resolution,
-                 downsample: bool, drop_path: float):  # fmt: skip
+    def __init__(
+        self,
+        in_dim,
+        out_dim,
+        key_dim,
+        depth,
+        num_heads,
+        attn_ratio,
+        mlp_ratio,
+        resolution,
+        downsample: bool,
+        drop_path: float,
+    ):
         super().__init__()
         if downsample:
             self.downsample: nn.Module = LevitDownsample(in_dim, out_dim, key_dim, resolution, drop_path)
@@ -338,9 +349,11 @@ class LevitStage(nn.Module):
             self.downsample = nn.Identity()
         self.resolution_out = resolution
         self.blocks = nn.Sequential(
-            *(LevitBlock(out_dim, key_dim, num_heads, attn_ratio, mlp_ratio, resolution, drop_path)
-              for _ in range(depth))
-        )  # fmt: skip
+            *(
+                LevitBlock(out_dim, key_dim, num_heads, attn_ratio, mlp_ratio, resolution, drop_path)
+                for _ in range(depth)
+            )
+        )
 
     def layers(self) -> list[nn.Module]:
         """The units the model runs (and checkpoints) one after another."""
@@ -404,8 +417,9 @@ class Levit(nn.Module):
         self.stages = nn.ModuleList()
         in_dim = embed_dim[0]
         for i, (dim, heads, d) in enumerate(zip(embed_dim, num_heads, depth)):
-            stage = LevitStage(in_dim, dim, key_dim, d, heads, attn_ratio, mlp_ratio, resolution, i > 0,
-                               drop_path_rate)  # fmt: skip
+            stage = LevitStage(
+                in_dim, dim, key_dim, d, heads, attn_ratio, mlp_ratio, resolution, i > 0, drop_path_rate
+            )
             self.stages.append(stage)
             resolution, in_dim = stage.resolution_out, dim
         self.final_resolution = resolution
@@ -481,8 +495,14 @@ class Levit(nn.Module):
 
 def _levit(embed_dim, key_dim, num_heads, depth, drop_path_rate, /, **overrides):
     # Positional-only shape, so an override may name any of them (create_model("levit_128s", depth=(1, 1, 1))).
-    kw = dict(embed_dim=embed_dim, key_dim=key_dim, num_heads=num_heads, depth=depth,
-              drop_path_rate=drop_path_rate, distilled=True)  # fmt: skip
+    kw = dict(
+        embed_dim=embed_dim,
+        key_dim=key_dim,
+        num_heads=num_heads,
+        depth=depth,
+        drop_path_rate=drop_path_rate,
+        distilled=True,
+    )
     return Levit(**{**kw, **overrides})
 
 

@@ -7,10 +7,19 @@ from __future__ import annotations
 
 from torch import nn
 
-NO_DECAY_NAMES = ("pos_embed", "pos_embed_row", "pos_embed_col", "cls_token", "dist_token", "mask_token",
-                  "mask_token_pixel", "relative_position_bias_table",  # ViT, Swin
-                  "patch_pos", "pixel_pos",  # TNT's position embeddings
-                  "attention_biases")  # LeViT's attention bias by offset  # fmt: skip
+NO_DECAY_NAMES = (
+    "pos_embed",
+    "pos_embed_row",
+    "pos_embed_col",
+    "cls_token",
+    "dist_token",
+    "mask_token",
+    "mask_token_pixel",
+    "relative_position_bias_table",  # ViT, Swin
+    "patch_pos",
+    "pixel_pos",  # TNT's position embeddings
+    "attention_biases",
+)  # LeViT's attention bias by offset
 
 
 def layer_id(name: str, num_layers: int) -> int:

@@ -49,12 +49,16 @@ class SimMIM(nn.Module):
             encoder, img_size=img_size, in_chans=in_chans, num_classes=0, mask_token=True, **encoder_kwargs
         )
         if not getattr(self.encoder, "supports_mim", False):
-            raise ValueError(f"{encoder} ({type(self.encoder).__name__}) does not support masked image "
-                             f"modelling: see the docstring of {type(self.encoder).__module__}")  # fmt: skip
+            raise ValueError(
+                f"{encoder} ({type(self.encoder).__name__}) does not support masked image "
+                f"modelling: see the docstring of {type(self.encoder).__module__}"
+            )
         token, stride = self.encoder.mim_patch_size, self.encoder.mim_stride
         if img_size % mask_patch_size or mask_patch_size % token:
-            raise ValueError(f"mask_patch_size {mask_patch_size} must divide img_size {img_size} and be a "
-                             f"multiple of {encoder}'s token size {token}")  # fmt: skip
+            raise ValueError(
+                f"mask_patch_size {mask_patch_size} must divide img_size {img_size} and be a "
+                f"multiple of {encoder}'s token size {token}"
+            )
         self.encoder_name, self.encoder_kwargs = encoder, dict(encoder_kwargs)
         self.img_size, self.in_chans = img_size, in_chans
         self.mask_ratio, self.mask_patch_size = mask_ratio, mask_patch_size
@@ -103,9 +107,13 @@ class SimMIM(nn.Module):
 
     def export_encoder(self, num_classes: int | None = None, **overrides) -> nn.Module:
         """The plain encoder (no mask token) with the pretrained weights and a new zero-initialised head."""
-        kwargs = dict(self.encoder_kwargs, img_size=self.img_size, in_chans=self.in_chans,
-                      num_classes=self.export_num_classes if num_classes is None else num_classes,
-                      head_bias_init=self.export_head_bias_init)  # fmt: skip
+        kwargs = dict(
+            self.encoder_kwargs,
+            img_size=self.img_size,
+            in_chans=self.in_chans,
+            num_classes=self.export_num_classes if num_classes is None else num_classes,
+            head_bias_init=self.export_head_bias_init,
+        )
         plain = create_model(self.encoder_name, **{**kwargs, **overrides})
         state = {
             k: v.detach().clone()
@@ -120,8 +128,18 @@ class SimMIM(nn.Module):
 
 
 # SimMIM for every family that supports it; the debug encoders mask 8px cells of 32px images.
-_ENCODERS = ("swin_debug", "swin_t", "swin_s", "swin_b", "cvt_debug", "cvt_13", "cvt_21",
-             "tnt_debug", "tnt_s16", "tnt_b16")  # fmt: skip
+_ENCODERS = (
+    "swin_debug",
+    "swin_t",
+    "swin_s",
+    "swin_b",
+    "cvt_debug",
+    "cvt_13",
+    "cvt_21",
+    "tnt_debug",
+    "tnt_s16",
+    "tnt_b16",
+)
 
 
 def _simmim_factory(encoder: str):

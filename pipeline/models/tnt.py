@@ -180,8 +180,14 @@ class TNT(MaskedImageModelling, nn.Module):
     def _init_weights(self, head_bias_init: float) -> None:
         # timm's TNT: trunc_normal(0.02) on tokens, position tables and every Linear; the word
         # convolution keeps PyTorch's default (kaiming-uniform) initialisation.
-        for p in (self.cls_token, self.dist_token, self.patch_pos, self.pixel_pos, self.mask_token,
-                  self.mask_token_pixel):  # fmt: skip
+        for p in (
+            self.cls_token,
+            self.dist_token,
+            self.patch_pos,
+            self.pixel_pos,
+            self.mask_token,
+            self.mask_token_pixel,
+        ):
             if p is not None:
                 nn.init.trunc_normal_(p, std=0.02)
         init_linear_and_norm(self)

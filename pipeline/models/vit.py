@@ -114,8 +114,13 @@ class VisionTransformer(nn.Module):
     # ------------------------------------------------------------------ init
 
     def _init_weights(self, head_bias_init: float) -> None:
-        for p in (self.pos_embed, self.cls_token, self.dist_token, getattr(self, "pos_embed_row", None),
-                  getattr(self, "pos_embed_col", None)):  # fmt: skip
+        for p in (
+            self.pos_embed,
+            self.cls_token,
+            self.dist_token,
+            getattr(self, "pos_embed_row", None),
+            getattr(self, "pos_embed_col", None),
+        ):
             if p is not None:
                 nn.init.trunc_normal_(p, std=0.02)
         init_linear_and_norm(self)

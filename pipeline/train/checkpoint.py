@@ -80,12 +80,21 @@ def owned_by(name: str, rank: int) -> bool:
     """Whether `rank` wrote this file of a tag: its ZeRO shards and RNG state; rank 0 also the model states."""
     if f"rank_{rank}_" in name or name == f"rank_{rank}.pt":
         return True
-    return rank == 0 and not any(f"rank_{r}_" in name or name == f"rank_{r}.pt"
-                                 for r in range(1, dist.get_world_size()))  # fmt: skip
+    return rank == 0 and not any(
+        f"rank_{r}_" in name or name == f"rank_{r}.pt" for r in range(1, dist.get_world_size())
+    )
 
 
-def save(engine, ckpt_dir: Path, step: int, keep_last: int, rank: int, extra: dict | None = None,
-         group=None, store: Store | None = None) -> Path:  # fmt: skip
+def save(
+    engine,
+    ckpt_dir: Path,
+    step: int,
+    keep_last: int,
+    rank: int,
+    extra: dict | None = None,
+    group=None,
+    store: Store | None = None,
+) -> Path:
     """Collective: every rank must call it (rank-0-only saving hangs, DeepSpeed issue 2993)."""
     tag = tag_for(step)
     tag_dir = ckpt_dir / tag
@@ -108,8 +117,11 @@ def save(engine, ckpt_dir: Path, step: int, keep_last: int, rank: int, extra: di
     parts: list | None = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(files, parts, dst=0, group=group)
     if rank == 0:
-        record = {"step": step, "world_size": dist.get_world_size(),
-                  "files": {k: v for part in parts for k, v in sorted(part.items())}}  # fmt: skip
+        record = {
+            "step": step,
+            "world_size": dist.get_world_size(),
+            "files": {k: v for part in parts for k, v in sorted(part.items())},
+        }
         text = json.dumps(record, indent=1)
         atomic.write_text(tag_dir / COMPLETE, text)
         atomic.write_text(ckpt_dir / LATEST, tag)
@@ -165,14 +177,25 @@ def _remote_tags(store: Store | None, rank: int, group) -> list[str]:
     """Tags on the store that have COMPLETE.json, listed by rank 0 and broadcast (one listing, one view)."""
     if store is None:
         return []
-    box = [sorted(t for t in store.list_dirs() if t.startswith("step_") and store.exists(f"{t}/{COMPLETE}"))
-           if rank == 0 else None]  # fmt: skip
+    box = [
+        sorted(t for t in store.list_dirs() if t.startswith("step_") and store.exists(f"{t}/{COMPLETE}"))
+        if rank == 0
+        else None
+    ]
     dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
-def resume(engine, ckpt_dir: Path, rank: int, world_size: int, group=None, load_optimizer: bool = True,
-           store: Store | None = None, local_rank: int = 0) -> Restored | None:  # fmt: skip
+def resume(
+    engine,
+    ckpt_dir: Path,
+    rank: int,
+    world_size: int,
+    group=None,
+    load_optimizer: bool = True,
+    store: Store | None = None,
+    local_rank: int = 0,
+) -> Restored | None:
     """Load the newest complete checkpoint, falling back past broken ones; None if there is none."""
     remote = set(_remote_tags(store, rank, group))
     local = {p.name for p in ckpt_dir.glob("step_*") if p.is_dir()} if ckpt_dir.is_dir() else set()
@@ -200,9 +223,11 @@ def resume(engine, ckpt_dir: Path, rank: int, world_size: int, group=None, load_
             continue
         try:
             path, client_state = engine.load_checkpoint(
-                str(ckpt_dir), tag=tag_dir.name,
-                load_optimizer_states=load_optimizer, load_lr_scheduler_states=load_optimizer,
-            )  # fmt: skip
+                str(ckpt_dir),
+                tag=tag_dir.name,
+                load_optimizer_states=load_optimizer,
+                load_lr_scheduler_states=load_optimizer,
+            )
             own = torch.load(tag_dir / f"rank_{rank}.pt", weights_only=False)
             loaded = path is not None
         except Exception as exc:  # a file that hashes right but does not load: treat as broken

@@ -25,13 +25,22 @@ def prepare_data(cfg: StageConfig) -> None:
     if syn is None or has_dataset(cfg.data.train):
         return
     samples = synthetic_samples(
-        syn.num, syn.classes, seed=cfg.seed, labels_per_image=syn.labels_per_image,
-        width=syn.width, height=syn.height, val_fraction=syn.val_fraction,
-    )  # fmt: skip
+        syn.num,
+        syn.classes,
+        seed=cfg.seed,
+        labels_per_image=syn.labels_per_image,
+        width=syn.width,
+        height=syn.height,
+        val_fraction=syn.val_fraction,
+    )
     write_dataset(
-        cfg.data.train, samples, class_names(syn.classes), multi_label=True, max_count=syn.max_count,
+        cfg.data.train,
+        samples,
+        class_names(syn.classes),
+        multi_label=True,
+        max_count=syn.max_count,
         options=syn.model_dump(),
-    )  # fmt: skip
+    )
 
 
 def _free_port() -> int:

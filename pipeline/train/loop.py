@@ -113,8 +113,9 @@ def _flops_per_image(model) -> int | None:
         return None
 
 
-def train(cfg: StageConfig, report: Callable[[dict], None] | None = None,
-          parent_run_id: str | None = None) -> StageResult:  # fmt: skip
+def train(
+    cfg: StageConfig, report: Callable[[dict], None] | None = None, parent_run_id: str | None = None
+) -> StageResult:
     # -- distributed set-up, seeds, RUN_DIR/config.yaml
     stage = open_stage(cfg)
     ctx, run_path = stage.ctx, stage.run_path
@@ -136,13 +137,28 @@ def train(cfg: StageConfig, report: Callable[[dict], None] | None = None,
     engine, _, lr_scheduler = build_engine(model, cfg, ctx)
     objective.prepare(engine.module, ctx.device)
     store = Store(cfg.checkpoint.uri) if cfg.checkpoint.uri else None  # object storage: s3://, gs://, ...
-    restored = checkpoint.resume(engine, ckpt_dir, ctx.rank, ctx.world_size, ctx.control_group,
-                                 load_optimizer=cfg.debug.resume_optimizer, store=store,
-                                 local_rank=ctx.local_rank)  # fmt: skip
+    restored = checkpoint.resume(
+        engine,
+        ckpt_dir,
+        ctx.rank,
+        ctx.world_size,
+        ctx.control_group,
+        load_optimizer=cfg.debug.resume_optimizer,
+        store=store,
+        local_rank=ctx.local_rank,
+    )
 
     def save(step: int) -> Path:
-        return checkpoint.save(engine, ckpt_dir, step, cfg.checkpoint.keep_last, ctx.rank, {"step": step},
-                               group=ctx.control_group, store=store)  # fmt: skip
+        return checkpoint.save(
+            engine,
+            ckpt_dir,
+            step,
+            cfg.checkpoint.keep_last,
+            ctx.rank,
+            {"step": step},
+            group=ctx.control_group,
+            store=store,
+        )
 
     start = restored.step if restored else 0
     accum = cfg.deepspeed.grad_accum
@@ -170,8 +186,9 @@ def train(cfg: StageConfig, report: Callable[[dict], None] | None = None,
     stop.stop_file.unlink(missing_ok=True)  # a stop request belongs to the run it stopped
     with stage.tracking({"objective": cfg.objective.name}, parent_run_id, params=derived) as tracker:
         if ctx.is_main:
-            tracker.set_tags({"checkpoint_dir": str(ckpt_dir),
-                              **({"checkpoint_uri": cfg.checkpoint.uri} if store else {})})  # fmt: skip
+            tracker.set_tags(
+                {"checkpoint_dir": str(ckpt_dir), **({"checkpoint_uri": cfg.checkpoint.uri} if store else {})}
+            )
             print(
                 f"[{cfg.name}] {cfg.model.name} {num_params / 1e6:.2f}M params | "
                 f"{cfg.objective.name} | world {ctx.world_size} | global batch {global_batch} | "
@@ -225,8 +242,10 @@ def train(cfg: StageConfig, report: Callable[[dict], None] | None = None,
                     last_printed, t_print = done, now
                     rate = (done - start) / (now - t0)
                     eta = (cfg.optim.steps - done) / max(rate, 1e-9)
-                    print(f"step {done}/{cfg.optim.steps} loss {last_loss:.4f} {rate:.2f} steps/s eta {eta:.0f}s",
-                          flush=True)  # fmt: skip
+                    print(
+                        f"step {done}/{cfg.optim.steps} loss {last_loss:.4f} {rate:.2f} steps/s eta {eta:.0f}s",
+                        flush=True,
+                    )
             interrupted = not checkpoint.all_agree(not stop.requested, ctx.control_group)
             if interrupted or done == cfg.debug.stop_at_step:
                 save(done)
@@ -258,8 +277,9 @@ def train(cfg: StageConfig, report: Callable[[dict], None] | None = None,
             if cfg.checkpoint.export:
                 state = consolidated_state_dict(engine, str(ckpt_dir), final_dir.name)
                 if ctx.is_main:
-                    export_path = str(export_weights(state, cfg.model.name, kwargs, run_path / "export",
-                                                     cfg.optim.steps))  # fmt: skip
+                    export_path = str(
+                        export_weights(state, cfg.model.name, kwargs, run_path / "export", cfg.optim.steps)
+                    )
                     if store is not None:  # the next stage may run on other machines: it reads this copy
                         for f in sorted((run_path / "export").iterdir()):
                             store.upload(f, f"export/{f.name}")
@@ -267,8 +287,9 @@ def train(cfg: StageConfig, report: Callable[[dict], None] | None = None,
                     tracker.set_tags({"export": export_path})
                 dist.barrier()
             tracker.set_tags({"checkpoint": str(final_dir)})
-        result = StageResult(cfg.optim.steps, last_loss, str(final_dir), tracker.run_id, export_path,
-                             stopped_early, losses)  # fmt: skip
+        result = StageResult(
+            cfg.optim.steps, last_loss, str(final_dir), tracker.run_id, export_path, stopped_early, losses
+        )
         if report is not None:
             report(
                 {"final_loss": last_loss, "steps": cfg.optim.steps, "stopped_early": stopped_early}

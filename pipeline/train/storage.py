@@ -89,8 +89,12 @@ class Store:
 
     def upload(self, local: Path, rel: str) -> None:
         self._ensure_parent(rel)
-        pafs.copy_files(str(local), self._path(rel), source_filesystem=pafs.LocalFileSystem(),
-                        destination_filesystem=self.fs)  # fmt: skip
+        pafs.copy_files(
+            str(local),
+            self._path(rel),
+            source_filesystem=pafs.LocalFileSystem(),
+            destination_filesystem=self.fs,
+        )
 
     def download_dir(self, rel: str, local: Path) -> Path:
         """Copy the folder `rel` to `local` atomically: into a temporary sibling, then one rename.
@@ -102,8 +106,12 @@ class Store:
         tmp = Path(tempfile.mkdtemp(prefix=f".{local.name}.", dir=local.parent))
         try:
             for name in self.list_files(rel):
-                pafs.copy_files(self._path(f"{rel}/{name}" if rel else name), str(tmp / name), source_filesystem=self.fs,
-                                destination_filesystem=pafs.LocalFileSystem())  # fmt: skip
+                pafs.copy_files(
+                    self._path(f"{rel}/{name}" if rel else name),
+                    str(tmp / name),
+                    source_filesystem=self.fs,
+                    destination_filesystem=pafs.LocalFileSystem(),
+                )
             try:
                 os.replace(tmp, local)  # fails if `local` is a non-empty folder: someone else won
             except OSError:
