@@ -60,6 +60,19 @@ def init_distributed(use_gpu: bool) -> DistContext:
     return DistContext(rank, world, local_rank, device, control)
 
 
+def shutdown_distributed() -> None:
+    """Leave the process group at the end of a process that joined it (torchrun, launch_local).
+
+    Without it gloo's worker threads can outlive the interpreter and abort the exit on some rank
+    (SIGABRT, "terminate called without an active exception": pytorch issue 190489), which torchrun
+    reports as a failed job after a finished stage. Call it on success only: after an exception other
+    ranks may still wait in a collective, and the destroy would hang (torchtitan PR 1342). Ray Train
+    destroys its workers' groups itself.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def scaled_lr(cfg: StageConfig, world_size: int) -> float:
     """lr = base_lr * global_batch / 256 (Goyal et al.; MAE and DeiT use it)."""
     global_batch = cfg.data.batch_size * cfg.deepspeed.grad_accum * world_size
@@ -80,7 +93,11 @@ def deepspeed_config(cfg: StageConfig, world_size: int, use_gpu: bool, num_param
     bucket = bucket_elements(num_params)
     zero: dict = {"stage": ds.zero_stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
     if ds.zero_stage == 3:
-        zero.update(stage3_prefetch_bucket_size=bucket, stage3_max_live_parameters=bucket, stage3_max_reuse_distance=bucket)
+        zero.update(
+            stage3_prefetch_bucket_size=bucket,
+            stage3_max_live_parameters=bucket,
+            stage3_max_reuse_distance=bucket,
+        )
     if ds.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": use_gpu}
     if ds.offload_params:

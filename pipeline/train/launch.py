@@ -16,6 +16,7 @@ from data_prep.synthetic import class_names, synthetic_samples
 from data_prep.writer import write_dataset
 from pipeline.config import ConfigError, StageConfig, check_inputs, load_config
 from pipeline.eval.run import evaluate  # light: matplotlib loads only when a figure is drawn
+from pipeline.train.engine import shutdown_distributed
 from pipeline.train.loop import StageResult, train
 
 
@@ -87,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{cfg.data.train}: generate the dataset first (vitpipe shard synthetic) when running under torchrun"
         )
     launch_local(cfg)
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

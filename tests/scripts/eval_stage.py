@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pipeline.config import load_config
 from pipeline.eval.run import evaluate
+from pipeline.train.engine import shutdown_distributed
 
 
 def main() -> None:
@@ -20,3 +21,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    shutdown_distributed()  # else gloo's threads may abort this rank's exit

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from pipeline.config import load_config
+from pipeline.train.engine import shutdown_distributed
 from pipeline.train.loop import train
 
 SMOKE = Path(__file__).parents[2] / "configs/experiments/smoke.yaml"
@@ -31,17 +32,29 @@ def main() -> None:
     for spec in runs:
         name, model, objective, zero, steps, *extra = spec.split(":")
         overrides = [
-            f"run_dir={out}/{name}", f"data.train={data}", "cluster.launcher=local", f"model.name={model}",
-            f"objective.name={objective}", f"deepspeed.zero_stage={zero}", f"optim.steps={steps}",
-            "optim.warmup_steps=4", "optim.lr=0.02", "data.min_scale=1.0", "tracking.system_metrics=false", f"tracking.uri=sqlite:///{out}/mlflow.db",
-        ]  # fmt: skip
+            f"run_dir={out}/{name}",
+            f"data.train={data}",
+            "cluster.launcher=local",
+            f"model.name={model}",
+            f"objective.name={objective}",
+            f"deepspeed.zero_stage={zero}",
+            f"optim.steps={steps}",
+            "optim.warmup_steps=4",
+            "optim.lr=0.02",
+            "data.min_scale=1.0",
+            "tracking.system_metrics=false",
+            f"tracking.uri=sqlite:///{out}/mlflow.db",
+        ]
         for item in extra:
             key, value = item.split("=", 1)
             if key == "TEACHER":  # DeiT: the teacher is an earlier run's export, its model that run's
                 teacher_model = next(r.split(":")[1] for r in runs if r.split(":")[0] == value)
-                overrides += [f"objective.teacher.model={teacher_model}",
-                              f"objective.teacher.weights={out}/{value}/export/model.safetensors",
-                              "objective.teacher.overrides.num_classes=8", "objective.distill_type=hard"]  # fmt: skip
+                overrides += [
+                    f"objective.teacher.model={teacher_model}",
+                    f"objective.teacher.weights={out}/{value}/export/model.safetensors",
+                    "objective.teacher.overrides.num_classes=8",
+                    "objective.distill_type=hard",
+                ]
             else:
                 overrides.append(item)
         train(load_config(SMOKE, overrides))
@@ -49,3 +62,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    shutdown_distributed()  # else gloo's threads may abort this rank's exit

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from pipeline.config import load_config
+from pipeline.train.engine import shutdown_distributed
 from pipeline.train.loop import train
 
 SMOKE = Path(__file__).parents[2] / "configs/experiments/smoke.yaml"
@@ -22,10 +23,17 @@ SMOKE = Path(__file__).parents[2] / "configs/experiments/smoke.yaml"
 
 def run(out: Path, data: str, name: str, *extra: str) -> None:
     overrides = [
-        f"run_dir={out}/{name}", f"data.train={data}", "cluster.launcher=local", "deepspeed.zero_stage=2",
-        "optim.steps=8", "optim.warmup_steps=2", "data.num_workers=1", "tracking.system_metrics=false",
-        f"tracking.uri=sqlite:///{out}/mlflow.db", *extra,
-    ]  # fmt: skip
+        f"run_dir={out}/{name}",
+        f"data.train={data}",
+        "cluster.launcher=local",
+        "deepspeed.zero_stage=2",
+        "optim.steps=8",
+        "optim.warmup_steps=2",
+        "data.num_workers=1",
+        "tracking.system_metrics=false",
+        f"tracking.uri=sqlite:///{out}/mlflow.db",
+        *extra,
+    ]
     train(load_config(SMOKE, overrides))
 
 
@@ -42,3 +50,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    shutdown_distributed()  # else gloo's threads may abort this rank's exit

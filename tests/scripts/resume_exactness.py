@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from pipeline.config import load_config
+from pipeline.train.engine import shutdown_distributed
 from pipeline.train.loop import train
 
 SMOKE = Path(__file__).parents[2] / "configs/experiments/smoke.yaml"
@@ -17,11 +18,18 @@ SMOKE = Path(__file__).parents[2] / "configs/experiments/smoke.yaml"
 
 def run(out: Path, data: str, stage: int, name: str, *extra: str) -> None:
     overrides = [
-        f"run_dir={out}/zero{stage}/{name}", f"data.train={data}", "cluster.launcher=local",
-        f"deepspeed.zero_stage={stage}", "optim.steps=8", "optim.warmup_steps=2", "data.num_workers=1",
-        "tracking.system_metrics=false", "model.overrides.drop_path_rate=0.1", f"tracking.uri=sqlite:///{out}/mlflow.db",
+        f"run_dir={out}/zero{stage}/{name}",
+        f"data.train={data}",
+        "cluster.launcher=local",
+        f"deepspeed.zero_stage={stage}",
+        "optim.steps=8",
+        "optim.warmup_steps=2",
+        "data.num_workers=1",
+        "tracking.system_metrics=false",
+        "model.overrides.drop_path_rate=0.1",
+        f"tracking.uri=sqlite:///{out}/mlflow.db",
         *extra,
-    ]  # fmt: skip
+    ]
     train(load_config(SMOKE, overrides))
 
 
@@ -37,3 +45,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    shutdown_distributed()  # else gloo's threads may abort this rank's exit
