@@ -37,8 +37,8 @@ demo: setup
 demo-small: setup
 	$(PY) -m cluster.demo --size small
 
-# Four xdist workers on two cores: most of the suite waits on Ray and torchrun start-up (see tests/scheduling.py).
-TEST_WORKERS ?= 4
+# Five xdist workers on two cores: most of the suite waits on Ray and torchrun start-up (see tests/scheduling.py).
+TEST_WORKERS ?= 5
 test: setup
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --durations=25
 

@@ -1,9 +1,9 @@
-"""How the suite is spread over pytest-xdist workers: `make test` runs `pytest -n 4 --dist loadgroup`.
+"""How the suite is spread over pytest-xdist workers: `make test` runs `pytest -n 5 --dist loadgroup`.
 
-Most of the suite's wall time is waiting (Ray Train start-up, torchrun rendezvous, job polling), so four
+Most of the suite's wall time is waiting (Ray Train start-up, torchrun rendezvous, job polling), so five
 workers on two cores overlap the waiting. Two rules keep that correct and fast:
 - Tests that share an expensive fixture run on one worker (an `xdist_group`), so the fixture is built once:
-  a module-scoped fixture defined in a test module groups that module's users; the Ray tests split into two
+  a module-scoped fixture defined in a test module groups that module's users; the Ray tests split into three
   groups, each with its own local cluster (`ray_cluster` is session-scoped, so one per worker).
 - The longest units are handed out first (xdist gives work in collection order), so no long test starts
   last and holds the run open while the other workers idle.
@@ -13,17 +13,20 @@ file.
 
 import pytest
 
-# The Ray tests of the second cluster: together about as long as the rest of the Ray tests.
-RAY_B = {
-    "test_killed_worker_recovers_with_the_weights_of_an_uninterrupted_run",
-    "test_retries_exhausted_fail_the_job_and_the_mlflow_runs",
-    "test_ray_job_stop_checkpoints_the_running_stage",
+# The Ray tests split over three local clusters (one per group), each group a few minutes long; the
+# rest (first-named tests and any new Ray test) run on "ray_a".
+RAY_GROUPS = {
+    "test_killed_worker_recovers_with_the_weights_of_an_uninterrupted_run": "ray_b",
+    "test_retries_exhausted_fail_the_job_and_the_mlflow_runs": "ray_b",
+    "test_ray_job_stop_checkpoints_the_running_stage": "ray_c",
+    "test_thin_run_on_two_ray_workers": "ray_c",
 }
 # Tests that take minutes (seconds measured on 2 idle cores): started before everything else.
 LONG_TESTS = {
     "test_reduced_demo_runs_end_to_end": 240,
     "test_two_stage_experiment_through_ray_job_submit": 145,
     "test_killed_worker_recovers_with_the_weights_of_an_uninterrupted_run": 95,
+    "test_ray_job_stop_checkpoints_the_running_stage": 90,
     "test_each_family_trains_under_every_zero_stage_with_distillation_and_simmim": 80,
     "test_two_ranks_give_the_single_process_result": 75,
     "test_sigterm_checkpoints_and_resume_falls_back_past_a_corrupt_checkpoint": 45,
@@ -34,7 +37,7 @@ LONG_TESTS = {
 
 def _group(item: pytest.Item) -> str | None:
     if "ray_cluster" in item.fixturenames:
-        return "ray_b" if item.originalname in RAY_B else "ray_a"
+        return RAY_GROUPS.get(item.originalname, "ray_a")
     module = item.module.__name__ if item.module else None
     for name in item.fixturenames:
         for fixturedef in item._fixtureinfo.name2fixturedefs.get(name, ()):

@@ -24,8 +24,9 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 def cli(
     *args: str, env: dict | None = None, timeout: int = 600, check: bool = True
 ) -> subprocess.CompletedProcess:
-    proc = subprocess.run(args, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+    proc = subprocess.run(
+        args, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout
+    )
     if check:
         assert proc.returncode == 0, f"{' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc
@@ -52,11 +53,23 @@ def runs_by_name(uri: str) -> dict:
 def test_two_stage_experiment_through_ray_job_submit(ray_cluster, tmp_path, smoke_dataset):
     run_dir = tmp_path / "exp"
     proc = cli(
-        ray_bin(), "job", "submit", "--address", ray_cluster.dashboard_url, "--working-dir", str(ROOT),
-        "--runtime-env-json", json.dumps({"excludes": [".git", ".venv", "data", "runs"]}),
-        "--", sys.executable, "-m", "cluster.run", str(TWO_STAGE), f"run_dir={run_dir}",
+        ray_bin(),
+        "job",
+        "submit",
+        "--address",
+        ray_cluster.dashboard_url,
+        "--working-dir",
+        str(ROOT),
+        "--runtime-env-json",
+        json.dumps({"excludes": [".git", ".venv", "data", "runs"]}),
+        "--",
+        sys.executable,
+        "-m",
+        "cluster.run",
+        str(TWO_STAGE),
+        f"run_dir={run_dir}",
         f"defaults.data.train={smoke_dataset}",
-    )  # fmt: skip
+    )
     log = proc.stdout + proc.stderr
     assert "succeeded" in log.lower()
     assert_readable_job_log(log)
@@ -75,10 +88,19 @@ def test_two_stage_experiment_through_ray_job_submit(ray_cluster, tmp_path, smok
 
     # Resubmitting is idempotent: finished stages are skipped (here through vitpipe submit --follow).
     proc = cli(
-        sys.executable, "-m", "vitpipe", "submit", str(TWO_STAGE), f"run_dir={run_dir}",
-        f"defaults.data.train={smoke_dataset}", "--address", ray_cluster.dashboard_url, "--follow",
-        "--python", sys.executable,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "vitpipe",
+        "submit",
+        str(TWO_STAGE),
+        f"run_dir={run_dir}",
+        f"defaults.data.train={smoke_dataset}",
+        "--address",
+        ray_cluster.dashboard_url,
+        "--follow",
+        "--python",
+        sys.executable,
+    )
     out = proc.stdout + proc.stderr
     assert "stage pretrain: already finished" in out and "stage finetune: already finished" in out
     assert "SUCCEEDED" in out
@@ -88,18 +110,35 @@ def test_two_stage_experiment_through_ray_job_submit(ray_cluster, tmp_path, smok
 
 def _train(ray_cluster, run_dir: Path, data: Path, *extra: str, check: bool = True):
     return cli(
-        sys.executable, "-m", "vitpipe", "train", str(SMOKE), f"cluster.address={ray_cluster.address}",
-        f"run_dir={run_dir}", f"data.train={data}", "optim.steps=8", "checkpoint.every_steps=2",
-        "tracking.system_metrics=false", "model.overrides.drop_path_rate=0.1", *extra, check=check,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "vitpipe",
+        "train",
+        str(SMOKE),
+        f"cluster.address={ray_cluster.address}",
+        f"run_dir={run_dir}",
+        f"data.train={data}",
+        "optim.steps=8",
+        "checkpoint.every_steps=2",
+        "tracking.system_metrics=false",
+        "model.overrides.drop_path_rate=0.1",
+        *extra,
+        check=check,
+    )
 
 
 def test_killed_worker_recovers_with_the_weights_of_an_uninterrupted_run(
     ray_cluster, tmp_path, smoke_dataset
 ):
     _train(ray_cluster, tmp_path / "straight", smoke_dataset)
-    _train(ray_cluster, tmp_path / "killed", smoke_dataset, "cluster.max_failures=1", "debug.kill_rank=1",
-           "debug.kill_at_step=5")  # fmt: skip
+    _train(
+        ray_cluster,
+        tmp_path / "killed",
+        smoke_dataset,
+        "cluster.max_failures=1",
+        "debug.kill_rank=1",
+        "debug.kill_at_step=5",
+    )
     assert (tmp_path / "killed" / "debug_killed_rank1_step5").is_file()  # the fault really happened
     a = load_file(str(tmp_path / "straight" / "export" / "model.safetensors"))
     b = load_file(str(tmp_path / "killed" / "export" / "model.safetensors"))
@@ -113,10 +152,19 @@ def test_killed_worker_recovers_with_the_weights_of_an_uninterrupted_run(
 def test_retries_exhausted_fail_the_job_and_the_mlflow_runs(ray_cluster, tmp_path, smoke_dataset):
     run_dir = tmp_path / "exp"
     proc = cli(
-        sys.executable, "-m", "vitpipe", "run", str(TWO_STAGE), f"run_dir={run_dir}",
-        f"defaults.data.train={smoke_dataset}", f"cluster.address={ray_cluster.address}", "cluster.max_failures=0",
-        "stages.pretrain.debug.kill_rank=1", "stages.pretrain.debug.kill_at_step=3", check=False,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "vitpipe",
+        "run",
+        str(TWO_STAGE),
+        f"run_dir={run_dir}",
+        f"defaults.data.train={smoke_dataset}",
+        f"cluster.address={ray_cluster.address}",
+        "cluster.max_failures=0",
+        "stages.pretrain.debug.kill_rank=1",
+        "stages.pretrain.debug.kill_at_step=3",
+        check=False,
+    )
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "stage pretrain failed" in proc.stderr
     runs = runs_by_name(f"sqlite:///{run_dir / 'mlflow.db'}")
@@ -129,14 +177,33 @@ def test_ray_job_stop_checkpoints_the_running_stage(ray_cluster, tmp_path, smoke
     run_dir = tmp_path / "exp"
     sid = f"stoptest-{int(time.time())}"
     cli(
-        ray_bin(), "job", "submit", "--no-wait", "--submission-id", sid, "--address", ray_cluster.dashboard_url,
-        "--working-dir", str(ROOT), "--runtime-env-json",
-        json.dumps({"excludes": [".git", ".venv", "data", "runs"], "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "120"}}),
-        "--", sys.executable, "-m", "cluster.run", str(TWO_STAGE), f"run_dir={run_dir}",
-        f"defaults.data.train={smoke_dataset}", "stages.pretrain.optim.steps=400",
-    )  # fmt: skip
+        ray_bin(),
+        "job",
+        "submit",
+        "--no-wait",
+        "--submission-id",
+        sid,
+        "--address",
+        ray_cluster.dashboard_url,
+        "--working-dir",
+        str(ROOT),
+        "--runtime-env-json",
+        json.dumps(
+            {"excludes": [".git", ".venv", "data", "runs"], "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "120"}}
+        ),
+        "--",
+        sys.executable,
+        "-m",
+        "cluster.run",
+        str(TWO_STAGE),
+        f"run_dir={run_dir}",
+        f"defaults.data.train={smoke_dataset}",
+        "stages.pretrain.optim.steps=400",
+    )
     ckpts = run_dir / "pretrain" / "checkpoints"
-    deadline = time.time() + 240
+    deadline = (
+        time.time() + 600
+    )  # Ray Train start-up takes minutes when the suite's other workers load the cores
     while not list(ckpts.glob("step_*/COMPLETE.json")) and time.time() < deadline:
         time.sleep(1)
     assert list(ckpts.glob("step_*/COMPLETE.json")), "the stage never checkpointed"

@@ -43,8 +43,14 @@ def store(tmp_path_factory) -> dict[str, str]:
     client = MlflowClient(tracking_uri=uri)
     ids: dict[str, str] = {"uri": uri}
 
-    def make_run(exp_id: str, name: str, start: int, params: dict[str, str], metrics: dict[str, list[float]],
-                 parent: str | None = None) -> str:  # fmt: skip
+    def make_run(
+        exp_id: str,
+        name: str,
+        start: int,
+        params: dict[str, str],
+        metrics: dict[str, list[float]],
+        parent: str | None = None,
+    ) -> str:
         tags = {"mlflow.parentRunId": parent} if parent else {}
         run_id = client.create_run(exp_id, start_time=start, tags=tags, run_name=name).info.run_id
         for key, value in params.items():
@@ -60,11 +66,24 @@ def store(tmp_path_factory) -> dict[str, str]:
     sweep = client.create_experiment("sweep", artifact_location=(root / "artifacts").as_uri())
     other = client.create_experiment("other", artifact_location=(root / "artifacts").as_uri())
     common = {"model.name": "vit_debug", "seed": "0"}
-    first = make_run(sweep, "lr-1e-3", 1_000, {**common, "optim.lr": "0.001"},
-                     {"train/loss": LOSS["lr-1e-3"], "eval/top1": TOP1["lr-1e-3"],
-                      "system/cpu_utilization_percentage": [50.0, 60.0]})  # fmt: skip
-    make_run(sweep, "lr-3e-4", 2_000, {**common, "optim.lr": "0.0003"},
-             {"train/loss": LOSS["lr-3e-4"], "eval/top1": TOP1["lr-3e-4"]})  # fmt: skip
+    first = make_run(
+        sweep,
+        "lr-1e-3",
+        1_000,
+        {**common, "optim.lr": "0.001"},
+        {
+            "train/loss": LOSS["lr-1e-3"],
+            "eval/top1": TOP1["lr-1e-3"],
+            "system/cpu_utilization_percentage": [50.0, 60.0],
+        },
+    )
+    make_run(
+        sweep,
+        "lr-3e-4",
+        2_000,
+        {**common, "optim.lr": "0.0003"},
+        {"train/loss": LOSS["lr-3e-4"], "eval/top1": TOP1["lr-3e-4"]},
+    )
     make_run(sweep, "fewshot-5", 3_000, {"fewshot.shots": "5"}, {"fewshot/5shot": [0.6]}, parent=first)
     make_run(other, "baseline", 4_000, {**common, "optim.lr": "0.001"}, {"train/loss": LOSS["baseline"]})
     return ids
@@ -110,8 +129,16 @@ def test_table_shows_differing_params_and_final_values(store, capsys):
         "train/loss",
     ]
     assert list(rows) == ["lr-1e-3", "fewshot-5", "lr-3e-4"]  # oldest first, children under their parent
-    assert rows["lr-1e-3"] == {"run": "lr-1e-3", "id": store["lr-1e-3"][:8], "parent": "-", "fewshot.shots": "-",
-                               "optim.lr": "0.001", "eval/top1": "0.48", "fewshot/5shot": "-", "train/loss": "1.25"}  # fmt: skip
+    assert rows["lr-1e-3"] == {
+        "run": "lr-1e-3",
+        "id": store["lr-1e-3"][:8],
+        "parent": "-",
+        "fewshot.shots": "-",
+        "optim.lr": "0.001",
+        "eval/top1": "0.48",
+        "fewshot/5shot": "-",
+        "train/loss": "1.25",
+    }
     assert rows["fewshot-5"]["parent"] == "lr-1e-3"
     assert rows["fewshot-5"]["fewshot/5shot"] == "0.6" and rows["fewshot-5"]["train/loss"] == "-"
     assert rows["lr-3e-4"]["train/loss"] == "1.55" and rows["lr-3e-4"]["optim.lr"] == "0.0003"
@@ -129,8 +156,18 @@ def test_table_columns_are_aligned(store, capsys):
     [("final", "1.25", "0.48"), ("best", "1.2", "0.5"), ("min", "1.2", "0.2"), ("max", "2", "0.5")],
 )
 def test_aggregations(store, capsys, agg, loss, top1):
-    rc, out, _ = compare(store, capsys, "--experiment", "sweep", "--metric", "train/loss", "--metric", "eval/top1",
-                         "--agg", agg)  # fmt: skip
+    rc, out, _ = compare(
+        store,
+        capsys,
+        "--experiment",
+        "sweep",
+        "--metric",
+        "train/loss",
+        "--metric",
+        "eval/top1",
+        "--agg",
+        agg,
+    )
     assert rc == 0
     suffix = "" if agg == "final" else f" [{agg}]"
     assert out.splitlines()[0].endswith(f"train/loss{suffix}  eval/top1{suffix}")
@@ -200,8 +237,18 @@ def test_run_ids_bring_their_children_and_combine_experiments(store, capsys):
 
 def test_plot_writes_a_png(store, capsys, tmp_path):
     out_png = tmp_path / "plots" / "loss.png"
-    rc, out, err = compare(store, capsys, "--experiment", "sweep", "--experiment", "other",
-                           "--plot", "train/loss", "--out", str(out_png))  # fmt: skip
+    rc, out, err = compare(
+        store,
+        capsys,
+        "--experiment",
+        "sweep",
+        "--experiment",
+        "other",
+        "--plot",
+        "train/loss",
+        "--out",
+        str(out_png),
+    )
     assert rc == 0 and "train/loss" in out
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "train/loss of 3 runs" in err  # the child run has no train/loss
@@ -347,11 +394,23 @@ def test_wide_shows_every_column_in_full(stages_store, capsys):
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [("/work/runs/a", True), ("~/data", True), ("./data", True), ("../x", True), ("s3://b/k", True),
-     ("sqlite:///runs/a/mlflow.db", True), ("file:///tmp/x", True), ("http://mlflow:5000", True),
-     ("pipe:aws s3 cp s3://b/x -", True), ("vit_debug", False), ("0.001", False), ("[0.9, 0.95]", False),
-     ("None", False), ("cls", False)],
-)  # fmt: skip
+    [
+        ("/work/runs/a", True),
+        ("~/data", True),
+        ("./data", True),
+        ("../x", True),
+        ("s3://b/k", True),
+        ("sqlite:///runs/a/mlflow.db", True),
+        ("file:///tmp/x", True),
+        ("http://mlflow:5000", True),
+        ("pipe:aws s3 cp s3://b/x -", True),
+        ("vit_debug", False),
+        ("0.001", False),
+        ("[0.9, 0.95]", False),
+        ("None", False),
+        ("cls", False),
+    ],
+)
 def test_path_like(value, expected):
     assert path_like(value) is expected
 
@@ -360,12 +419,34 @@ def test_path_like(value, expected):
 
 
 def test_vitpipe_compare_command(store):
-    ok = subprocess.run([sys.executable, "-m", "vitpipe", "compare", "--tracking-uri", store["uri"],
-                         "--experiment", "sweep", "--format", "csv", "--metric", "train/loss"],
-                        cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    ok = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vitpipe",
+            "compare",
+            "--tracking-uri",
+            store["uri"],
+            "--experiment",
+            "sweep",
+            "--format",
+            "csv",
+            "--metric",
+            "train/loss",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert ok.returncode == 0, ok.stderr
     assert [r["run"] for r in csv.DictReader(io.StringIO(ok.stdout))] == ["lr-1e-3", "fewshot-5", "lr-3e-4"]
-    bad = subprocess.run([sys.executable, "-m", "vitpipe", "compare", "--tracking-uri", store["uri"],
-                          "--experiment", "nope"], cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    bad = subprocess.run(
+        [sys.executable, "-m", "vitpipe", "compare", "--tracking-uri", store["uri"], "--experiment", "nope"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "vitpipe compare: no experiment named 'nope'" in bad.stderr

@@ -173,8 +173,12 @@ def test_fewshot_ridge_separable_features_reach_100_percent():
 
 def test_fewshot_ridge_random_labels_are_near_chance():
     rng = np.random.default_rng(0)
-    res = fewshot_ridge(rng.normal(size=(600, 32)), rng.integers(0, 10, 600),
-                        rng.normal(size=(2000, 32)), rng.integers(0, 10, 2000))  # fmt: skip
+    res = fewshot_ridge(
+        rng.normal(size=(600, 32)),
+        rng.integers(0, 10, 600),
+        rng.normal(size=(2000, 32)),
+        rng.integers(0, 10, 2000),
+    )
     for s in (1, 5, 10, 25):
         assert 0.05 < res[f"{s}shot"] < 0.16, res  # chance is 0.10; 2000 test samples: std about 0.007
 
@@ -210,6 +214,11 @@ def test_linear_probe_separable_features_and_determinism():
 
 def test_linear_probe_random_labels_do_not_generalise():
     rng = np.random.default_rng(0)
-    res = linear_probe(rng.normal(size=(300, 16)), rng.integers(0, 5, 300),
-                       rng.normal(size=(1000, 16)), rng.integers(0, 5, 1000), steps=50)  # fmt: skip
+    res = linear_probe(
+        rng.normal(size=(300, 16)),
+        rng.integers(0, 5, 300),
+        rng.normal(size=(1000, 16)),
+        rng.integers(0, 5, 1000),
+        steps=50,
+    )
     assert res["accuracy"] < 0.3, res  # chance is 0.2

@@ -83,8 +83,16 @@ def _source_run(stage_dir: Path) -> str:
 
 
 def _torchrun(nproc: int, out: Path, configs: list[Path]) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           SCRIPT, str(out), *map(str, configs)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        SCRIPT,
+        str(out),
+        *map(str, configs),
+    ]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -111,15 +119,21 @@ def evaluations(tmp_path_factory) -> Path:
         if name == "multi":
             _source_run(export.parent)
         cfg = {
-            "name": name, "kind": "eval",
-            "model": {"name": "vit_debug", "init_from": str(export), "init_head": True, "overrides": overrides},
+            "name": name,
+            "kind": "eval",
+            "model": {
+                "name": "vit_debug",
+                "init_from": str(export),
+                "init_head": True,
+                "overrides": overrides,
+            },
             "data": {"train": str(data), "batch_size": 8, "num_workers": 1 if multi_label else 0},
             "objective": {"name": "supervised_sigmoid" if multi_label else "supervised_softmax"},
             "cluster": {"launcher": "local"},
             # One store per torchrun job: creating an MLflow SQLite schema costs seconds.
             "tracking": {"uri": f"sqlite:///{root}/mlflow_{{world}}.db", "system_metrics": False},
             "eval": {"fewshot_max_train": None},
-        }  # fmt: skip
+        }
         configs.append(cfg)
     for world in (1, 2):
         paths = []
@@ -176,9 +190,11 @@ def test_eval_stage_logs_metrics_and_figures_to_mlflow(evaluations):
         assert [m.step for m in client.get_metric_history(run.info.run_id, "fewshot/5shot")] == [3]
     artifacts = {f.path for f in client.list_artifacts(multi.info.run_id, "figures")}
     assert artifacts == {
-        "figures/pos_embed_similarity.png", "figures/patch_embed_components.png",
-        "figures/mean_attention_distance.png", "figures/source_train_loss.png",
-    }  # fmt: skip
+        "figures/pos_embed_similarity.png",
+        "figures/patch_embed_components.png",
+        "figures/mean_attention_distance.png",
+        "figures/source_train_loss.png",
+    }
     assert "config.yaml" in {f.path for f in client.list_artifacts(multi.info.run_id)}
     # A relative position bias has no absolute embedding to draw: skipped, with the reason as a tag.
     single_figures = {f.path for f in client.list_artifacts(single.info.run_id, "figures")}

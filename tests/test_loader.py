@@ -373,9 +373,10 @@ def test_rand_augment_changes_pixels_deterministically_per_rng():
         assert a.size == img.size and a.mode == "RGB"
         assert np.array_equal(np.asarray(a), np.asarray(op(img, 9, np.random.default_rng(5)))), op.__name__
     changed = [
-        op.__name__ for op in transforms.RAND_AUGMENT_OPS
+        op.__name__
+        for op in transforms.RAND_AUGMENT_OPS
         if not np.array_equal(np.asarray(op(img, 9, np.random.default_rng(5))), before)
-    ]  # fmt: skip
+    ]
     assert len(changed) >= 11, changed
 
 

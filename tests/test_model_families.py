@@ -27,8 +27,20 @@ SIZE = 64
 def test_every_family_is_registered():
     for prefix in ("tnt_", "cvt_", "levit_", "swin_"):
         assert any(n.startswith(prefix) for n in NAMES), f"no {prefix}* model registered"
-    assert {"tnt_s16", "tnt_b16", "cvt_13", "cvt_21", "levit_128s", "levit_128", "levit_192", "levit_256",
-            "levit_384", "swin_t", "swin_s", "swin_b"} <= set(NAMES)  # fmt: skip
+    assert {
+        "tnt_s16",
+        "tnt_b16",
+        "cvt_13",
+        "cvt_21",
+        "levit_128s",
+        "levit_128",
+        "levit_192",
+        "levit_256",
+        "levit_384",
+        "swin_t",
+        "swin_s",
+        "swin_b",
+    } <= set(NAMES)
 
 
 @pytest.mark.unit

@@ -182,11 +182,23 @@ def test_manifest_multi_label_with_splits_writes_json_labels(tmp_path):
     rng = np.random.default_rng(2)
     for i in range(8):
         save(noise(rng, 40, 30), tmp_path / "imgs" / f"m{i}.png", "PNG")
-    table = pa.table({
-        "path": [f"imgs/m{i}.png" for i in range(8)] + [str(tmp_path / "imgs" / "m0.png")],
-        "labels": [["sky"], ["sea", "sky"], ["tree"], [], ["sea"], ["tree", "sky"], ["sea"], ["sky"], ["sky"]],
-        "split": ["train"] * 6 + ["test", "test", None],
-    })  # fmt: skip
+    table = pa.table(
+        {
+            "path": [f"imgs/m{i}.png" for i in range(8)] + [str(tmp_path / "imgs" / "m0.png")],
+            "labels": [
+                ["sky"],
+                ["sea", "sky"],
+                ["tree"],
+                [],
+                ["sea"],
+                ["tree", "sky"],
+                ["sea"],
+                ["sky"],
+                ["sky"],
+            ],
+            "split": ["train"] * 6 + ["test", "test", None],
+        }
+    )
     pq.write_table(table, tmp_path / "manifest.parquet")
     out = tmp_path / "out"
     shard("manifest", tmp_path / "manifest.parquet", out, "--workers", 1, "--max-errors", 0.5)
@@ -242,8 +254,11 @@ def test_killed_run_resumes_to_the_same_shards(tmp_path):
     killed = tmp_path / "killed"
     proc = subprocess.Popen(
         [sys.executable, "-m", "vitpipe", "shard", "synthetic", str(killed), *map(str, args)],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 120
     while len(list(killed.glob("train/*.tar"))) < 2 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -157,9 +157,19 @@ def test_timm_layout_round_trip_and_resampled_load():
     for head in (src.head, src.head_dist):
         torch.nn.init.normal_(head.weight)
     sd = export_timm_state_dict(src)
-    expected = {"patch_embed.proj.weight", "cls_token", "dist_token", "pos_embed", "blocks.0.norm1.weight",
-                "blocks.0.attn.qkv.weight", "blocks.0.attn.proj.bias", "blocks.3.mlp.fc2.weight", "norm.weight",
-                "head.weight", "head_dist.bias"}  # fmt: skip
+    expected = {
+        "patch_embed.proj.weight",
+        "cls_token",
+        "dist_token",
+        "pos_embed",
+        "blocks.0.norm1.weight",
+        "blocks.0.attn.qkv.weight",
+        "blocks.0.attn.proj.bias",
+        "blocks.3.mlp.fc2.weight",
+        "norm.weight",
+        "head.weight",
+        "head_dist.bias",
+    }
     assert expected <= set(sd)
     dst = load_timm_state_dict(create_model("vit_debug", num_classes=5, distilled=True), {"model": sd}).eval()
     x = torch.randn(2, 3, 32, 32)
