@@ -197,6 +197,15 @@ def smoke_dataset(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="session")
+def every_step_dataset(tmp_path_factory):
+    """32 multi-label images in two shards of 16: on 2 ranks with batch 16 every step sees every image,
+    so a model that learns shows it within a few dozen steps (the loss-falling runs use it)."""
+    root = tmp_path_factory.mktemp("every_step_dataset")
+    write_dataset(root, synthetic_samples(32, 8, seed=0, width=48, height=40), class_names(8), True, 16)
+    return root
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items):
     scheduling.order_and_group(items)

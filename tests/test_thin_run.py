@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import assert_loss_fell
 from mlflow.tracking import MlflowClient
 
 ROOT = Path(__file__).parents[1]
@@ -41,11 +42,20 @@ def loss_history(tracking_uri: str, experiment: str) -> tuple[list, list]:
 def test_thin_run_on_two_ray_workers(ray_cluster, tmp_path):
     run_dir, data = tmp_path / "run", tmp_path / "data"
     steps = 30
+    # lr 0.05: the loss ends at 0.37-0.38 of its first five steps (0.78 at the config's 0.02), far past
+    # the bar of 0.9 whatever the CPU's rounding (replayed with 1e-4 weight perturbations and other init
+    # seeds); lr 1e-9 stays at 1.01.
     vitpipe(
-        "train", str(SMOKE),
-        f"cluster.address={ray_cluster.address}", f"run_dir={run_dir}", f"data.train={data}",
-        f"optim.steps={steps}", "cluster.num_workers=2", "deepspeed.zero_stage=2",
-    )  # fmt: skip
+        "train",
+        str(SMOKE),
+        f"cluster.address={ray_cluster.address}",
+        f"run_dir={run_dir}",
+        f"data.train={data}",
+        f"optim.steps={steps}",
+        "optim.lr=0.05",
+        "cluster.num_workers=2",
+        "deepspeed.zero_stage=2",
+    )
 
     # The data: real tar shards with a manifest, written before training.
     assert len(list((data / "train").glob("shard-*.tar"))) == 8
@@ -60,9 +70,7 @@ def test_thin_run_on_two_ray_workers(ray_cluster, tmp_path):
     assert run.data.tags["world_size"] == "2"
     # One loss per step, and the loss fell.
     assert [m.step for m in history] == list(range(1, steps + 1))
-    losses = [m.value for m in history]
-    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
-    assert last < 0.9 * first, f"loss did not fall: first five {losses[:5]}, last five {losses[-5:]}"
+    assert_loss_fell([m.value for m in history], "thin run")
     # A DeepSpeed checkpoint with files written by both ranks, and the resolved config.
     ckpt = run_dir / "checkpoints" / f"step_{steps:08d}"
     assert (ckpt / "mp_rank_00_model_states.pt").is_file()
@@ -80,9 +88,14 @@ def test_same_seed_same_losses_on_cpu(tmp_path):
     for i in range(2):
         run_dir = tmp_path / f"run{i}"
         vitpipe(
-            "train", str(SMOKE), "cluster.launcher=local", f"run_dir={run_dir}", f"data.train={data}",
-            "optim.steps=6", "data.num_workers=2",
-        )  # fmt: skip
+            "train",
+            str(SMOKE),
+            "cluster.launcher=local",
+            f"run_dir={run_dir}",
+            f"data.train={data}",
+            "optim.steps=6",
+            "data.num_workers=2",
+        )
         results.append([m.value for m in loss_history(f"sqlite:///{run_dir / 'mlflow.db'}", "smoke")[1]])
     assert len(results[0]) == 6
     assert results[0] == results[1]

@@ -9,27 +9,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import history, torchrun, weights  # shared with the other torchrun tests
+from conftest import assert_loss_fell, history, torchrun, weights  # shared with the other torchrun tests
 from mlflow.tracking import MlflowClient
-
-from data_prep.synthetic import class_names, synthetic_samples
-from data_prep.writer import write_dataset
 
 ROOT = Path(__file__).parents[1]
 
 
-@pytest.fixture(scope="module")
-def smoke_data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("smokedata")
-    write_dataset(root, synthetic_samples(320, 8, seed=0, width=48, height=40), class_names(8), True, 40)
-    return root
-
-
 @pytest.mark.dist
 @pytest.mark.slow
-def test_resume_is_bitwise_exact_per_zero_stage(smoke_data, tmp_path):
+def test_resume_is_bitwise_exact_per_zero_stage(smoke_dataset, tmp_path):
     stages = (0, 2, 3)
-    torchrun("tests/scripts/resume_exactness.py", str(tmp_path), str(smoke_data), *map(str, stages))
+    torchrun("tests/scripts/resume_exactness.py", str(tmp_path), str(smoke_dataset), *map(str, stages))
     for stage in stages:
         base = tmp_path / f"zero{stage}"
         straight, resumed, control = (history(base / n) for n in ("straight", "resumed", "no_optimizer"))
@@ -50,15 +40,17 @@ def test_resume_is_bitwise_exact_per_zero_stage(smoke_data, tmp_path):
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_every_objective_trains_and_its_loss_falls(smoke_data, tmp_path):
+def test_every_objective_trains_and_its_loss_falls(every_step_dataset, tmp_path):
+    # 32 images seen at every step, whole-image crops, lr 0.05: each objective ends at 0.25-0.66 of its
+    # first loss, far past the bar of 0.9 on any CPU, while lr 1e-9 stays at 1.0 (tests/scripts/
+    # objectives.py gives the measurements). On the 320-image smoke corpus the Mixup/CutMix softmax
+    # run ended at 0.92-0.95, too close to a bar for another machine's rounding.
     names = ["supervised_softmax", "supervised_sigmoid", "mae", "masked_patch_prediction", "distill"]
-    torchrun("tests/scripts/objectives.py", str(tmp_path), str(smoke_data), *names)
+    torchrun("tests/scripts/objectives.py", str(tmp_path), str(every_step_dataset), *names)
     for name in names:
         losses = [v for _, v in history(tmp_path / name)]
         assert len(losses) == 40
-        first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
-        # Mixup/CutMix make the softmax loss noisy: ask for a clear fall, not a large one.
-        assert last < 0.95 * first, f"{name}: loss did not fall ({first:.4f} -> {last:.4f})"
+        assert_loss_fell(losses, name)
     # The distillation student really looked at its teacher.
     agreement = [v for _, v in history(tmp_path / "distill", "train/teacher_agreement")]
     assert len(agreement) == 40
@@ -74,14 +66,27 @@ def _flip_byte(path: Path, offset: int = 200) -> None:
 
 
 @pytest.mark.slow
-def test_sigterm_checkpoints_and_resume_falls_back_past_a_corrupt_checkpoint(smoke_data, tmp_path):
+def test_sigterm_checkpoints_and_resume_falls_back_past_a_corrupt_checkpoint(smoke_dataset, tmp_path):
     """SIGTERM mid-run leaves a checkpoint; a corrupted newest checkpoint is skipped; MLflow stays one run."""
     run_dir = tmp_path / "run"
     # Two ranks under torchrun, launched from the same config as every other launcher.
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-            "-m", "pipeline.train.launch", "configs/experiments/smoke.yaml", "cluster.launcher=local",
-            f"run_dir={run_dir}", f"data.train={smoke_data}", "optim.steps=40", "checkpoint.every_steps=3",
-            "checkpoint.keep_last=3", "data.num_workers=1"]  # fmt: skip
+    args = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "pipeline.train.launch",
+        "configs/experiments/smoke.yaml",
+        "cluster.launcher=local",
+        f"run_dir={run_dir}",
+        f"data.train={smoke_dataset}",
+        "optim.steps=40",
+        "checkpoint.every_steps=3",
+        "checkpoint.keep_last=3",
+        "data.num_workers=1",
+    ]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1"}
     proc = subprocess.Popen(
         args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -120,8 +125,16 @@ def test_sigterm_checkpoints_and_resume_falls_back_past_a_corrupt_checkpoint(smo
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
     assert steps == list(range(1, 41))  # each step once, though steps after the fallback point ran twice
     metrics = set(run.data.metrics)
-    assert {"train/loss", "train/lr", "train/grad_norm", "train/images_per_s", "perf/tflops_per_device", "perf/mfu",
-            "data/skipped_samples", "train/precision_at_1"} <= metrics  # fmt: skip
+    assert {
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "train/images_per_s",
+        "perf/tflops_per_device",
+        "perf/mfu",
+        "data/skipped_samples",
+        "train/precision_at_1",
+    } <= metrics
     assert any(m.startswith("system/") for m in metrics), sorted(metrics)
     tags = run.data.tags
     assert (
