@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from pipeline.config import load_config
+from pipeline.train.engine import shutdown_distributed
 from pipeline.train.loop import train
 
 SMOKE = Path(__file__).parents[2] / "configs/experiments/smoke.yaml"
@@ -72,3 +73,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    shutdown_distributed()  # else gloo's threads may abort this rank's exit
