@@ -33,5 +33,11 @@ def test_a_bad_config_fails_before_any_upload(tmp_path, monkeypatch):
 
     root = Path(__file__).parents[1]
     with pytest.raises(ConfigError, match=r"optim\.lrr: unknown key"):
-        submit.submit(str(root / "configs/experiments/smoke.yaml"), ["optim.lrr=1"], None, python=sys.executable, root=root)
+        submit.submit(
+            str(root / "configs/experiments/smoke.yaml"),
+            ["optim.lrr=1"],
+            None,
+            python=sys.executable,
+            root=root,
+        )
     assert submit.submission_id("demo").startswith("demo-")

@@ -5,6 +5,8 @@
     if builder.add(image, labels, sample["__key__"]):
         yield builder.take(skipped=counter.bad)
     # {"image": uint8 [B, 3, H, W], "target": long [B] | multi-hot float [B, K], "key": [B] str, **extra}
+
+The streams (train_stream, eval_stream) drive this; the loader's workers hand the batches over in shared memory.
 """
 
 from __future__ import annotations
