@@ -11,6 +11,8 @@ Without xdist (`pytest tests/test_x.py`) the groups are ignored and the order is
 file.
 """
 
+import os
+
 import pytest
 
 # The Ray tests split over three local clusters (one per group), each group a few minutes long; the
@@ -54,9 +56,34 @@ def _weight(item: pytest.Item) -> float:
 
 
 def order_and_group(items: list[pytest.Item]) -> None:
-    """Longest first (stable: file order is kept among equals), and shared-fixture groups marked."""
-    for item in items:
+    """Mark the shared-fixture groups, then order by unit (a group, or one test), longest unit first.
+
+    A group's tests stay next to each other: pytest tears a module-scoped fixture down as soon as the next
+    test on the same worker (or in a plain run) is from another module, and would build it again.
+    """
+    units: dict[str, list[int]] = {}
+    units_of: dict[int, str] = {}
+    for index, item in enumerate(items):
         group = _group(item)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=lambda item: -_weight(item))
+        units_of[index] = group or item.nodeid
+        units.setdefault(units_of[index], []).append(index)
+    key: dict[int, tuple[float, int, int]] = {}
+    for members in units.values():
+        weight = max(_weight(items[i]) for i in members)
+        for i in members:
+            key[i] = (-weight, members[0], i)
+    order = sorted(range(len(items)), key=key.__getitem__)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers:
+        # xdist hands each worker a second unit up front, queued behind its first: after the first
+        # `workers` units (the longest) come `workers` one-test units of no weight, so no long unit
+        # waits minutes behind the demo.
+        firsts = sorted({units_of[i] for i in order}, key=lambda u: key[units[u][0]])
+        heads = [units[u][0] for u in firsts[:workers]]
+        light = [i for i in order if _weight(items[i]) == 0 and len(units[units_of[i]]) == 1][:workers]
+        cut = max(order.index(h) + len(units[units_of[h]]) for h in heads) if heads else 0
+        rest = [i for i in order[cut:] if i not in light]
+        order = order[:cut] + light + rest
+    items[:] = [items[i] for i in order]
