@@ -209,3 +209,7 @@ def every_step_dataset(tmp_path_factory):
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items):
     scheduling.order_and_group(items)
+
+
+def pytest_collection_finish(session):
+    scheduling.check_groups_applied(session.config, session.items)

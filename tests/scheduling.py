@@ -87,3 +87,17 @@ def order_and_group(items: list[pytest.Item]) -> None:
         rest = [i for i in order[cut:] if i not in light]
         order = order[:cut] + light + rest
     items[:] = [items[i] for i in order]
+
+
+def check_groups_applied(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under `--dist loadgroup`, xdist marks a group by renaming each test's node id (`...@group`); a
+    pytest whose node id ignores that (pytest 9 with xdist 3.8) groups nothing, silently: every Ray
+    test then starts its own cluster and shared fixtures are built once per test. Fail loudly instead."""
+    if not config.getvalue("loadgroup"):
+        return
+    lost = [i.nodeid for i in items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
+    if lost:
+        raise pytest.UsageError(
+            f"xdist --dist loadgroup did not group {len(lost)} tests (e.g. {lost[0]}): this pytest and "
+            "pytest-xdist disagree on node ids; install the versions pyproject.toml's dev extra pins"
+        )
