@@ -93,7 +93,7 @@ def check_groups_applied(config: pytest.Config, items: list[pytest.Item]) -> Non
     """Under `--dist loadgroup`, xdist marks a group by renaming each test's node id (`...@group`); a
     pytest whose node id ignores that (pytest 9 with xdist 3.8) groups nothing, silently: every Ray
     test then starts its own cluster and shared fixtures are built once per test. Fail loudly instead."""
-    if not config.getvalue("loadgroup"):
+    if not getattr(config.option, "loadgroup", False):  # set on xdist workers only
         return
     lost = [i.nodeid for i in items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
     if lost:
