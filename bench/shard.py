@@ -11,6 +11,13 @@ same drawing and encoding without vitpipe in 1 and 2 processes; on a shared mach
 other tenants leave, and the number to read the speed-up against.
 Memory: peak RSS summed over the command's process tree (the driver and every worker, sampled every
 20 ms), at a small and a 5x larger corpus with the default workers. Goal: large <= 1.2x small.
+Object storage: `vitpipe shard manifest --resize-max 384` (the README's journey) of the same 500x375
+JPEGs, local files into a local folder against s3:// objects into an s3:// prefix, in alternating rounds
+with 2 workers. Goal: bucket-to-bucket images/s >= 0.7x local-to-local (median of the rounds' ratios).
+The S3 server (moto, the only one here) runs on the same two cores and spends several ms of CPU per
+request, time a real object store spends on its own machines: each run records the server's CPU time
+and vitpipe's own (the command's process tree), and `images_per_vitpipe_cpu_s` compares the two sides
+without the server.
 Sizes: 256x192 for speed (about 2.5 ms to draw and encode an image, so per-shard work dominates as
 with real JPEGs; at tiny sizes the fixed start-up and index costs would), 64x48 for memory. The whole
 bench takes 3-5 minutes on 2 cores; each run records the 1-minute load average before and after, since
@@ -27,6 +34,7 @@ import os
 import platform
 import re
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -43,11 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_shard(out: Path, num: int, workers: int, width: int, height: int, max_count: int) -> dict:
-    cmd = [
-        sys.executable,
-        "-m",
-        "vitpipe",
-        "shard",
+    args = [
         "synthetic",
         str(out),
         "--num",
@@ -62,11 +66,17 @@ def run_shard(out: Path, num: int, workers: int, width: int, height: int, max_co
         str(max_count),
         "--workers",
         str(workers),
-        "--no-progress",
     ]
+    return run_command(args, num, lambda: shutil.rmtree(out, ignore_errors=True))
+
+
+def run_command(args: list[str], num: int, cleanup, env: dict | None = None) -> dict:
+    """`vitpipe shard ARGS` in a subprocess: wall clock, reported rate and peak RSS; `cleanup()` after."""
+    cmd = [sys.executable, "-m", "vitpipe", "shard", *args, "--no-progress"]
     load_before = os.getloadavg()[0]  # other work on the machine skews both numbers: record it
+    cpu0 = os.times()
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     peak = {"tree": 0, "process": 0}
     stop = threading.Event()
 
@@ -87,16 +97,19 @@ def run_shard(out: Path, num: int, workers: int, width: int, height: int, max_co
     sampler.start()
     stdout, stderr = proc.communicate()
     wall = time.perf_counter() - t0
+    cpu1 = os.times()  # children's times include the command's own waited-for worker processes
+    cpu = (cpu1.children_user + cpu1.children_system) - (cpu0.children_user + cpu0.children_system)
     stop.set()
     sampler.join()
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{stdout}\n{stderr}")
     reported = re.search(r"\(([\d.]+) images/s", stdout)
-    shutil.rmtree(out, ignore_errors=True)
+    cleanup()
     return {
         "wall_s": round(wall, 3),
         "images_per_s_wall": round(num / wall, 1),
         "images_per_s_reported": float(reported.group(1)) if reported else None,
+        "cpu_s": round(cpu, 2),
         "peak_rss_tree_mb": round(peak["tree"] / 2**20, 1),
         "peak_rss_process_mb": round(peak["process"] / 2**20, 1),
         "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
@@ -123,6 +136,120 @@ def calibrate(num: int, width: int, height: int) -> float:
     return round(2 * one / two, 2)
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_for_port(port: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no server on 127.0.0.1:{port} after {timeout_s:.0f} s") from None
+            time.sleep(0.2)
+
+
+def bucket_rounds(
+    tmp: Path, num: int, workers: int, size: tuple[int, int], resize_max: int, max_count: int, repeats: int
+) -> dict:
+    """Local-to-local against bucket-to-bucket `vitpipe shard manifest` of the same `num` JPEGs."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from data_prep.storage import Store
+
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    env = {
+        **os.environ,
+        "AWS_ACCESS_KEY_ID": "bench",
+        "AWS_SECRET_ACCESS_KEY": "bench",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+    }
+    saved = dict(os.environ)
+    os.environ.update(env)
+    runs: dict[str, list[dict]] = {"local": [], "bucket": []}
+    try:
+        _wait_for_port(port)
+        Store("s3://bench?allow_bucket_creation=true").fs.create_dir("bench")
+        inputs = Store("s3://bench/img")
+        (tmp / "img").mkdir(parents=True, exist_ok=True)
+        local_rows, bucket_rows = [], []
+        for i in range(num):
+            img, labels = render(i, 0, 100, 1.3, *size)
+            buf = io.BytesIO()
+            img.save(buf, "JPEG", quality=90)
+            (tmp / "img" / f"{i:06d}.jpg").write_bytes(buf.getvalue())
+            inputs.write_bytes(f"{i:06d}.jpg", buf.getvalue())
+            local_rows.append({"path": str(tmp / "img" / f"{i:06d}.jpg"), "label": labels[0]})
+            bucket_rows.append({"path": f"s3://bench/img/{i:06d}.jpg", "label": labels[0]})
+        pq.write_table(pa.Table.from_pylist(local_rows), tmp / "local.parquet")
+        pq.write_table(pa.Table.from_pylist(bucket_rows), tmp / "bucket.parquet")
+        common = ["--max-count", str(max_count), "--workers", str(workers), "--resize-max", str(resize_max)]
+        server_proc = psutil.Process(server.pid)
+        for i in range(repeats):
+            for kind, manifest, out, cleanup in (
+                (
+                    "local",
+                    "local.parquet",
+                    str(tmp / f"local-{i}"),
+                    lambda p=tmp / f"local-{i}": shutil.rmtree(p),
+                ),
+                (
+                    "bucket",
+                    "bucket.parquet",
+                    f"s3://bench/out-{i}",
+                    lambda u=f"s3://bench/out-{i}": Store(u).delete_dir(""),
+                ),
+            ):
+                before = sum(server_proc.cpu_times()[:2])
+                run = run_command(["manifest", str(tmp / manifest), out, *common], num, cleanup, env)
+                run["server_cpu_s"] = round(sum(server_proc.cpu_times()[:2]) - before, 2)
+                runs[kind].append(run)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        server.terminate()
+        server.wait()
+    pairs = list(zip(runs["local"], runs["bucket"]))
+    wall = round(statistics.median(b["images_per_s_wall"] / a["images_per_s_wall"] for a, b in pairs), 2)
+    per_cpu = round(statistics.median(a["cpu_s"] / b["cpu_s"] for a, b in pairs), 2)
+    server_ms = round(1000 * statistics.median(b["server_cpu_s"] for _, b in pairs) / num, 2)
+    return {
+        "command": "vitpipe shard manifest {local,bucket}.parquet {DIR,s3://bench/out} --workers W --resize-max R",
+        "num": num,
+        "workers": workers,
+        "size": size,
+        "resize_max": resize_max,
+        "local_to_local": {
+            "images_per_s_wall": median_of(runs["local"], "images_per_s_wall"),
+            "runs": runs["local"],
+        },
+        "bucket_to_bucket": {
+            "images_per_s_wall": median_of(runs["bucket"], "images_per_s_wall"),
+            "runs": runs["bucket"],
+        },
+        "ratio_bucket_over_local": {
+            "value": wall,
+            "per_round": [round(b["images_per_s_wall"] / a["images_per_s_wall"], 3) for a, b in pairs],
+            "goal": 0.7,
+            "ok": wall >= 0.7,
+        },
+        "images_per_vitpipe_cpu_s_bucket_over_local": per_cpu,
+        "s3_server_cpu_ms_per_image": server_ms,
+    }
+
+
 def _size(text: str) -> tuple[int, int]:
     w, h = text.lower().split("x")
     return int(w), int(h)
@@ -132,12 +259,63 @@ def median_of(runs: list[dict], key: str) -> float:
     return round(statistics.median(r[key] for r in runs), 2)
 
 
+def speed_rounds(tmp: Path, num: int, size: tuple[int, int], max_count: int, repeats: int) -> dict:
+    """Rounds alternate 1 and 2 workers, so load from elsewhere falls on both alike; the speed-up is the
+    median of each round's ratio."""
+    runs: dict[int, list[dict]] = {1: [], 2: []}
+    ceiling = []
+    for i in range(repeats):
+        ceiling.append(calibrate(max(100, num // 20), *size))
+        for workers in (1, 2):
+            runs[workers].append(run_shard(tmp / f"w{workers}-{i}", num, workers, *size, max_count))
+    ratios = {
+        k: [b[k] / a[k] for a, b in zip(runs[1], runs[2])]
+        for k in ("images_per_s_wall", "images_per_s_reported")
+    }
+    wall = round(statistics.median(ratios["images_per_s_wall"]), 2)
+    return {
+        "speed": {
+            f"workers_{w}": {
+                "images_per_s_wall": median_of(runs[w], "images_per_s_wall"),
+                "images_per_s_reported": median_of(runs[w], "images_per_s_reported"),
+                "runs": runs[w],
+            }
+            for w in (1, 2)
+        },
+        "speedup_2_workers": {
+            "wall": wall,
+            "reported": round(statistics.median(ratios["images_per_s_reported"]), 2),
+            "goal": 1.7,
+            "ok": wall >= 1.7,
+            "machine_ceiling": statistics.median(ceiling),
+            "machine_ceiling_per_round": ceiling,
+        },
+    }
+
+
+def memory_runs(tmp: Path, num: int, size: tuple[int, int], max_count: int, repeats: int) -> dict:
+    memory = {}
+    for label, n in (("small", num), ("large", 5 * num)):
+        runs = [run_shard(tmp / f"m{label}-{i}", n, 2, *size, max_count) for i in range(repeats)]
+        memory[label] = {"num": n, "peak_rss_tree_mb": median_of(runs, "peak_rss_tree_mb"), "runs": runs}
+    ratio = round(memory["large"]["peak_rss_tree_mb"] / memory["small"]["peak_rss_tree_mb"], 3)
+    return {"memory": memory, "rss_ratio_large_over_small": {"value": ratio, "goal": 1.2, "ok": ratio <= 1.2}}
+
+
+SECTIONS = ("speed", "memory", "bucket")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="1k images for speed, 1k vs 5k for memory")
+    ap.add_argument(
+        "--quick", action="store_true", help="1k images for speed, 1k vs 5k for memory, 300 for bucket"
+    )
     ap.add_argument("--speed-num", type=int, default=None, help="images per speed run (default 10000)")
     ap.add_argument(
         "--mem-num", type=int, default=None, help="small corpus for memory (default 10000; 5x it too)"
+    )
+    ap.add_argument(
+        "--bucket-num", type=int, default=None, help="images per object storage run (default 3000)"
     )
     ap.add_argument(
         "--speed-size", type=_size, default=(256, 192), help="WxH of speed runs (default 256x192)"
@@ -145,57 +323,30 @@ def main() -> None:
     ap.add_argument("--mem-size", type=_size, default=(64, 48), help="WxH of memory runs (default 64x48)")
     ap.add_argument("--max-count", type=int, default=500)
     ap.add_argument("--repeats", type=int, default=None, help="runs per setting (default 3, quick 2)")
+    ap.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"comma-separated subset of {','.join(SECTIONS)} (default all)",
+    )
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args()
+    sections = [x for x in args.sections.split(",") if x]
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        ap.error(f"--sections: unknown {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
     speed_num = args.speed_num or (1000 if args.quick else 10_000)
     mem_num = args.mem_num or (1000 if args.quick else 10_000)
+    bucket_num = args.bucket_num or (300 if args.quick else 1500)
     repeats = args.repeats or (2 if args.quick else 3)
-    tmp = Path(tempfile.mkdtemp(prefix="bench-shard-"))
-    try:
-        # Rounds alternate 1 and 2 workers, so load from elsewhere falls on both alike; the speed-up is
-        # the median of each round's ratio.
-        runs: dict[int, list[dict]] = {1: [], 2: []}
-        ceiling = []
-        for i in range(repeats):
-            ceiling.append(calibrate(max(100, speed_num // 20), *args.speed_size))
-            for workers in (1, 2):
-                out = tmp / f"w{workers}-{i}"
-                runs[workers].append(run_shard(out, speed_num, workers, *args.speed_size, args.max_count))
-        speed = {
-            f"workers_{w}": {
-                "images_per_s_wall": median_of(runs[w], "images_per_s_wall"),
-                "images_per_s_reported": median_of(runs[w], "images_per_s_reported"),
-                "runs": runs[w],
-            }
-            for w in (1, 2)
-        }
-        ratios = {
-            k: [b[k] / a[k] for a, b in zip(runs[1], runs[2])]
-            for k in ("images_per_s_wall", "images_per_s_reported")
-        }
-        memory = {}
-        for label, num in (("small", mem_num), ("large", 5 * mem_num)):
-            runs = [
-                run_shard(tmp / f"m{label}-{i}", num, 2, *args.mem_size, args.max_count)
-                for i in range(repeats)
-            ]
-            memory[label] = {
-                "num": num,
-                "peak_rss_tree_mb": median_of(runs, "peak_rss_tree_mb"),
-                "runs": runs,
-            }
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    speedup_wall = round(statistics.median(ratios["images_per_s_wall"]), 2)
-    speedup_reported = round(statistics.median(ratios["images_per_s_reported"]), 2)
-    rss_ratio = round(memory["large"]["peak_rss_tree_mb"] / memory["small"]["peak_rss_tree_mb"], 3)
     result = {
         "bench": "shard",
         "command": "vitpipe shard synthetic OUT --num N --classes 100 --width W --height H --max-count M --workers K",
         "config": {
             "quick": args.quick,
+            "sections": sections,
             "speed_num": speed_num,
             "mem_num": mem_num,
+            "bucket_num": bucket_num,
             "speed_size": args.speed_size,
             "mem_size": args.mem_size,
             "max_count": args.max_count,
@@ -206,18 +357,19 @@ def main() -> None:
             "python": platform.python_version(),
             "platform": platform.platform(),
         },
-        "speed": speed,
-        "speedup_2_workers": {
-            "wall": speedup_wall,
-            "reported": speedup_reported,
-            "goal": 1.7,
-            "ok": speedup_wall >= 1.7,
-            "machine_ceiling": statistics.median(ceiling),
-            "machine_ceiling_per_round": ceiling,
-        },
-        "memory": memory,
-        "rss_ratio_large_over_small": {"value": rss_ratio, "goal": 1.2, "ok": rss_ratio <= 1.2},
     }
+    tmp = Path(tempfile.mkdtemp(prefix="bench-shard-"))
+    try:
+        if "speed" in sections:
+            result.update(speed_rounds(tmp, speed_num, args.speed_size, args.max_count, repeats))
+        if "memory" in sections:
+            result.update(memory_runs(tmp, mem_num, args.mem_size, args.max_count, repeats))
+        if "bucket" in sections:
+            result["object_storage"] = bucket_rounds(
+                tmp, bucket_num, 2, (500, 375), 384, args.max_count, repeats
+            )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

@@ -43,7 +43,7 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_file(path: Path) -> None:
+def fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -58,7 +58,7 @@ def writing(path: Path) -> Iterator[Path]:
     tmp = tmp_path(path)
     try:
         yield tmp
-        _fsync_file(tmp)
+        fsync_file(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -6,6 +6,8 @@
    skipped, so a killed run resumes where it stopped and ends with the same bytes.
 3. Finish: index.parquet and errors.parquet streamed from the per-shard sidecars, then manifest.json,
    last, and only if the rejected fraction is within --max-errors.
+OUT may be an object store URI (s3://bucket/prefix, gs://...): shards, sidecars, index, errors and
+manifest go to the bucket (`dataset_dir.py`), the listing's scratch files to a local folder.
 
 Memory: the planner's open shard per split, 2 x workers tasks in flight, one sidecar while finishing.
 """
@@ -27,7 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from data_prep import atomic
+from data_prep.dataset_dir import DatasetDir
 from data_prep.executors import run_shards
 from data_prep.index import write_index
 from data_prep.layout import (
@@ -45,7 +47,9 @@ from data_prep.shard_worker import ShardJob, ShardResult, read_sidecar
 from data_prep.sources import Source
 
 log = logging.getLogger(__name__)
-WRITER_VERSION = 1  # bump when the same inputs and options would give different shard bytes
+# Bump when the same inputs and options would give different shard bytes or sidecars.
+# 2: the stored-image contract (images.py: RGB/L, upright, first frame); sidecar errors carry a stage.
+WRITER_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -61,11 +65,12 @@ class BuildOptions:
     max_errors: float = 0.1  # fraction of inputs that may be rejected before the run fails
     seed: int = 0
     progress: bool = True
+    scratch: str | None = None  # local work folder for a dataset on object storage (default: a temp dir)
 
 
 @dataclass
 class BuildReport:
-    out: Path
+    out: DatasetDir
     num_inputs: int = 0
     num_written: int = 0
     num_new: int = 0  # written by this run (not kept from an earlier one): what images/s counts
@@ -112,14 +117,17 @@ def build_dataset(
     source: Source, out: str | os.PathLike, opts: BuildOptions, command: str = "", options: dict | None = None
 ) -> BuildReport:
     t0 = time.perf_counter()
-    root = Path(out)
-    if root.exists() and not root.is_dir():
-        raise DatasetError(f"{root}: exists and is not a folder")
-    root.mkdir(parents=True, exist_ok=True)
-    # The manifest marks a complete dataset; shards are about to change, so it goes first.
-    (root / MANIFEST).unlink(missing_ok=True)
+    try:
+        root = DatasetDir(out, opts.scratch)
+        root.make()
+        # The manifest marks a complete dataset; shards are about to change, so it goes first.
+        root.delete(MANIFEST)
+    except (OSError, ValueError) as exc:
+        raise DatasetError(
+            f"{os.fspath(out).split('?', 1)[0]}: cannot write the dataset there ({exc})"
+        ) from None
     planner = Planner(
-        root,
+        root.scratch,
         source,
         job_fingerprint(source, opts),
         name=opts.name,
@@ -139,7 +147,10 @@ def build_dataset(
         total = planner.prepare()
     if planner.num_inputs == 0 and source.mix:
         raise DatasetError(f"{source.where}: no inputs found")
-    job = ShardJob(str(root), opts.name, source.loader(), source.multi_label, opts.resize_max, opts.quality)
+    scratch = str(root.scratch) if root.remote else ""
+    job = ShardJob(
+        root.location, scratch, opts.name, source.loader(), source.multi_label, opts.resize_max, opts.quality
+    )
     results: dict[tuple[str, int], ShardResult] = {}
     bar = _progress(total, opts.progress)
     try:
@@ -160,7 +171,7 @@ def build_dataset(
 
 
 def _finish(
-    root: Path,
+    root: DatasetDir,
     source: Source,
     opts: BuildOptions,
     planner: Planner,
@@ -185,7 +196,7 @@ def _finish(
     if fraction > opts.max_errors:
         report.failure = (
             f"{report.num_errors} of {report.num_inputs} inputs rejected ({fraction:.1%}), more than "
-            f"--max-errors {opts.max_errors:g}; see {root / ERRORS}. No manifest written. Fix the inputs, "
+            f"--max-errors {opts.max_errors:g}; see {root.describe(ERRORS)}. No manifest written. Fix the inputs, "
             f"or re-run with a higher --max-errors to accept them (complete shards are reused)."
         )
         return report
@@ -204,23 +215,19 @@ def _finish(
     return report
 
 
-def _remove_stale(root: Path, name: str, results: list[ShardResult]) -> None:
+def _remove_stale(root: DatasetDir, name: str, results: list[ShardResult]) -> None:
     """Shards and sidecars of this name that the plan no longer has (an earlier, larger run)."""
     pattern = re.compile(rf"^{re.escape(name)}-\d{{6}}\.(tar|tar\.tmp|json|json\.tmp)$")
-    keep_shards = {r.path for r in results if r.count}
-    keep_sides = {f"{r.split}/{Path(r.path).stem}.json" for r in results}
-    for base, keep in ((root, keep_shards), (root / WORK, keep_sides)):
-        if not base.is_dir():
-            continue
-        for folder in base.iterdir():
-            if not folder.is_dir() or folder.name.startswith(".") or folder.name in ("order",):
-                continue
-            for f in folder.iterdir():
-                if pattern.match(f.name) and f"{folder.name}/{f.name}" not in keep:
-                    f.unlink()
+    keep = {r.path for r in results if r.count}
+    keep |= {f"{WORK}/{r.split}/{Path(r.path).stem}.json" for r in results}
+    splits = [d for d in root.list_dirs() if not d.startswith(".")]
+    for folder in splits + [f"{WORK}/{split}" for split in splits]:
+        for f in root.list_files(folder):
+            if pattern.match(f) and f"{folder}/{f}" not in keep:
+                root.delete(f"{folder}/{f}")
 
 
-def _write_index(root: Path, name: str, results: list[ShardResult], multi_label: bool) -> None:
+def _write_index(root: DatasetDir, name: str, results: list[ShardResult], multi_label: bool) -> None:
     write_index(root, (read_sidecar(root, name, r.split, r.index)["rows"] for r in results), multi_label)
 
 
@@ -231,8 +238,11 @@ def _reason_kind(reason: str) -> str:
     return " ".join(words) or reason
 
 
-def _write_errors(root: Path, name: str, results: list[ShardResult], listing_log: Path) -> dict[str, int]:
-    """errors.parquet: listing rejections, then each shard's; returns counts per kind of reason."""
+def _write_errors(
+    root: DatasetDir, name: str, results: list[ShardResult], listing_log: Path
+) -> dict[str, int]:
+    """errors.parquet: listing rejections (stage "listing"), then each shard's (stage "read", "decode",
+    "convert" or "resize", from the worker's sidecar); returns counts per kind of reason."""
     schema = pa.schema(
         [
             ("key", pa.string()),
@@ -255,9 +265,9 @@ def _write_errors(root: Path, name: str, results: list[ShardResult], listing_log
         for r in results:
             if r.rejected:
                 errs = read_sidecar(root, name, r.split, r.index)["errors"]
-                yield [(k, s, "decode", reason, r.path) for k, s, reason in errs]
+                yield [(k, s, stage, reason, r.path) for k, s, stage, reason in errs]
 
-    with atomic.writing(root / ERRORS) as tmp, pq.ParquetWriter(tmp, schema) as writer:
+    with root.writing(ERRORS) as tmp, pq.ParquetWriter(tmp, schema) as writer:
         for batch in batches():
             for row in batch:
                 kind = _reason_kind(row[3])

@@ -78,6 +78,9 @@ def _shard_name(text: str) -> str:
     return text
 
 
+OUT_HELP = "output dataset: a folder, or an object store URI (s3://bucket/prefix, gs://..., credentials from the environment)"
+
+
 def _common_options() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("sharding")
@@ -97,7 +100,7 @@ def _common_options() -> argparse.ArgumentParser:
         "--quality",
         type=_positive,
         default=95,
-        help="JPEG/WebP quality of re-encoded images (--resize-max; GIF/BMP/TIFF become PNG)",
+        help="JPEG/WebP quality of re-encoded images (resized, converted to RGB/L, turned upright)",
     )
     g.add_argument(
         "--workers", type=_positive, default=default_workers(), help="worker processes (default: all cores)"
@@ -118,6 +121,12 @@ def _common_options() -> argparse.ArgumentParser:
     g.add_argument(
         "--name", type=_shard_name, default="shard", help="shard file prefix: OUT/SPLIT/NAME-000000.tar"
     )
+    g.add_argument(
+        "--scratch",
+        default=None,
+        metavar="DIR",
+        help="local work folder when OUT is object storage (default: one under the system temp dir)",
+    )
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
 
@@ -135,6 +144,7 @@ def _options(args: argparse.Namespace) -> BuildOptions:
         max_errors=args.max_errors,
         seed=args.seed,
         progress=args.progress,
+        scratch=args.scratch,
     )
 
 
@@ -142,12 +152,12 @@ def _print_report(r: BuildReport) -> int:
     rate = (r.num_new / r.seconds) if r.seconds > 0 else 0.0
     resumed = f"; {r.resumed_shards} shards already complete, kept" if r.resumed_shards else ""
     print(
-        f"wrote {r.num_written} images in {r.num_shards} shards to {r.out} in {r.seconds:.1f} s "
+        f"wrote {r.num_written} images in {r.num_shards} shards to {r.out.describe()} in {r.seconds:.1f} s "
         f"({rate:.0f} images/s{resumed}): {dict(sorted(r.totals.items()))}"
     )
     if r.num_errors:
         top = ", ".join(f"{n} {kind}" for kind, n in sorted(r.reasons.items(), key=lambda kv: -kv[1])[:4])
-        print(f"rejected {r.num_errors} of {r.num_inputs} inputs ({top}); listed in {r.out / ERRORS}")
+        print(f"rejected {r.num_errors} of {r.num_inputs} inputs ({top}); listed in {r.out.describe(ERRORS)}")
     if r.over_size:
         print(
             f"warning: {len(r.over_size)} shards exceed --max-size (re-encoded or generated images were "
@@ -218,7 +228,7 @@ def add_shard_parser(sub) -> argparse.ArgumentParser:
         "folder", parents=common, help="an image folder: DIR/CLASS/IMAGE, or flat with --labels"
     )
     s.add_argument("dir", help="input folder")
-    s.add_argument("out", help="output dataset folder")
+    s.add_argument("out", help=OUT_HELP)
     s.add_argument("--labels", help="CSV or JSON: file name (relative to DIR) -> label or list of labels")
     s.add_argument(
         "--classes", help="class names in order: a,b,c or a file (one per line); others are rejected"
@@ -231,14 +241,14 @@ def add_shard_parser(sub) -> argparse.ArgumentParser:
     s.add_argument(
         "file", help="manifest file (.parquet, .csv, .tsv); relative paths resolve against its folder"
     )
-    s.add_argument("out", help="output dataset folder")
+    s.add_argument("out", help=OUT_HELP)
     s.add_argument(
         "--classes", help="class names in order: a,b,c or a file (one per line); others are rejected"
     )
     s.set_defaults(func=_manifest)
 
     s = src.add_parser("synthetic", parents=common, help="a generated JFT-like multi-label corpus")
-    s.add_argument("out", help="output dataset folder")
+    s.add_argument("out", help=OUT_HELP)
     s.add_argument("--num", type=_positive, required=True, help="images to generate")
     s.add_argument("--classes", type=_positive, required=True, help="number of classes")
     s.add_argument("--labels-per-image", type=_mean_labels, default=1.3, help="mean labels per image (>= 1)")
@@ -249,12 +259,12 @@ def add_shard_parser(sub) -> argparse.ArgumentParser:
     s = src.add_parser(
         "digits", parents=common, help="scikit-learn's bundled 8x8 digits (1,797), upsampled PNG"
     )
-    s.add_argument("out", help="output dataset folder")
+    s.add_argument("out", help=OUT_HELP)
     s.add_argument("--size", type=_positive, default=32, help="side of the stored images (default 32)")
     s.set_defaults(func=_digits)
 
     s = src.add_parser("verify", help="re-read every shard: counts, sha256, every image decodes")
-    s.add_argument("out", help="dataset folder")
+    s.add_argument("out", help="dataset folder or object store URI")
     s.add_argument(
         "--workers", type=_positive, default=default_workers(), help="processes (default: all cores)"
     )

@@ -67,7 +67,8 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
 def run_on_ray(tasks: Iterable[ShardTask], job: ShardJob) -> Iterator[ShardResult]:
     """One Ray task per shard on the cluster at RAY_ADDRESS (or the one `ray start` left running).
 
-    The dataset folder must be on storage every node sees: each task writes its shard there itself.
+    Each task writes its shard where the dataset lives itself, so that must be a place every node sees:
+    an object store URI (s3://...; the shard is staged on the node's own scratch) or a shared folder.
     """
     try:
         _check_reachable(os.environ.get("RAY_ADDRESS", ""))

@@ -6,12 +6,11 @@ The columns and their order are the layout's (`layout.INDEX_COLUMNS`); this adds
 from __future__ import annotations
 
 from collections.abc import Iterable
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from data_prep import atomic
+from data_prep.dataset_dir import DatasetDir
 from data_prep.layout import INDEX, INDEX_COLUMNS
 
 _TYPES = {
@@ -35,11 +34,11 @@ def index_schema(multi_label: bool) -> pa.Schema:
     return pa.schema(fields)
 
 
-def write_index(root: Path, shard_rows: Iterable[dict[str, list]], multi_label: bool) -> None:
+def write_index(out: DatasetDir, shard_rows: Iterable[dict[str, list]], multi_label: bool) -> None:
     """index.parquet from each shard's rows ({column: values}, layout.INDEX_COLUMNS), in shard order;
     atomic, so a reader never sees half of it."""
     schema = index_schema(multi_label)
-    with atomic.writing(Path(root) / INDEX) as tmp, pq.ParquetWriter(tmp, schema) as writer:
+    with out.writing(INDEX) as tmp, pq.ParquetWriter(tmp, schema) as writer:
         for rows in shard_rows:
             if not multi_label:
                 rows = {**rows, "label": [labels[0] for labels in rows["labels"]]}

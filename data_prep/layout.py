@@ -1,4 +1,5 @@
 """The dataset layout, defined once: every writer produces it and the loader reads it through here.
+OUT is a local folder or an object store prefix (s3://bucket/prefix; see dataset_dir.py).
 
 OUT/manifest.json            format version, class names, per-shard counts and sha256, totals per split
 OUT/index.parquet            one row per sample: the INDEX_COLUMNS below (schema: data_prep/index.py)
@@ -16,9 +17,8 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-from data_prep import atomic
+from data_prep.dataset_dir import DatasetDir
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -39,13 +39,14 @@ def shard_name(name: str, index: int) -> str:
     return f"{name}-{index:06d}.tar"
 
 
-def shard_path(root: Path, split: str, name: str, index: int) -> Path:
-    return Path(root) / split / shard_name(name, index)
+def shard_rel(split: str, name: str, index: int) -> str:
+    """A shard's path inside the dataset root: "{split}/{name}-{index:06d}.tar"."""
+    return f"{split}/{shard_name(name, index)}"
 
 
-def sidecar_path(root: Path, split: str, name: str, index: int) -> Path:
+def sidecar_rel(split: str, name: str, index: int) -> str:
     """Where a shard's completion record lives (beside the data, never inside a split folder)."""
-    return Path(root) / WORK / split / f"{name}-{index:06d}.json"
+    return f"{WORK}/{split}/{name}-{index:06d}.json"
 
 
 @dataclass
@@ -85,19 +86,34 @@ class Manifest:
         return json.dumps(d, indent=2)
 
 
-def write_manifest(root: Path, manifest: Manifest) -> Path:
-    """Atomic: a reader sees the old manifest or the new one, never half of one."""
-    path = Path(root) / MANIFEST
-    atomic.write_bytes(path, manifest.to_json().encode())
-    return path
+Root = str | os.PathLike | DatasetDir  # a local folder, an object store URI, or either opened
 
 
-def read_manifest(root: str | os.PathLike) -> Manifest:
-    path = Path(root) / MANIFEST
-    if not path.is_file():
-        raise DatasetError(f"{path}: no manifest; is {root} a dataset written by `vitpipe shard`?")
+def dataset_dir(root: Root) -> DatasetDir:
+    return root if isinstance(root, DatasetDir) else DatasetDir(root)
+
+
+def write_manifest(root: Root, manifest: Manifest) -> str:
+    """Atomic (one rename, or one PUT): a reader sees the old manifest or the new one, never half of one."""
+    where = dataset_dir(root)
+    where.write_bytes(MANIFEST, manifest.to_json().encode())
+    return where.describe(MANIFEST)
+
+
+def read_manifest(root: Root) -> Manifest:
     try:
-        d = json.loads(path.read_text())
+        where = dataset_dir(root)  # an object store client may resolve the bucket's region here
+        raw = where.read_bytes(MANIFEST)
+    except OSError as exc:  # an unreachable or refusing object store
+        shown = os.fspath(root.location if isinstance(root, DatasetDir) else root).split("?", 1)[0]
+        raise DatasetError(f"{shown.rstrip('/')}/{MANIFEST}: cannot read the manifest ({exc})") from None
+    path = where.describe(MANIFEST)
+    if raw is None:
+        raise DatasetError(
+            f"{path}: no manifest; is {where.describe()} a dataset written by `vitpipe shard`?"
+        )
+    try:
+        d = json.loads(raw)
     except json.JSONDecodeError as exc:
         raise DatasetError(f"{path}: manifest is not valid JSON ({exc})") from None
     version = d.get("format_version")
@@ -119,5 +135,6 @@ def read_manifest(root: str | os.PathLike) -> Manifest:
         raise DatasetError(f"{path}: manifest lacks or misshapes a field ({exc})") from None
 
 
-def has_dataset(root: str | os.PathLike) -> bool:
-    return (Path(root) / MANIFEST).is_file()
+def has_dataset(root: Root) -> bool:
+    where = dataset_dir(root)
+    return where.size(MANIFEST) is not None

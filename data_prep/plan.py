@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from data_prep.keys import order_hash, split_for
-from data_prep.layout import WORK, shard_name
+from data_prep.layout import shard_rel
 from data_prep.sources import Item, ListingError, Source
 from data_prep.tario import archive_bytes, member_bytes
 
@@ -118,7 +118,7 @@ class _OpenShard:
 class Planner:
     """Streams `ShardTask`s; `prepare()` first (it lists the source when the order needs all of it)."""
 
-    root: Path
+    scratch: Path  # local work files: the hash-order spool, the listing's error log
     source: Source
     job_fingerprint: str
     name: str = "shard"
@@ -133,11 +133,11 @@ class Planner:
 
     def prepare(self) -> int | None:
         """Open the error log and, for hash-ordered sources, list everything; returns the items to write."""
-        self.errors = ErrorLog(self.root / WORK / "listing-errors.jsonl")
+        self.errors = ErrorLog(self.scratch / "listing-errors.jsonl")
         if not self.source.mix:
             self._ordered = self._counted(self.source.listing())
             return self.source.count_hint()
-        order = HashOrder(self.root / WORK / "order", self.seed)
+        order = HashOrder(self.scratch / "order", self.seed)
         total = order.spool(self._counted(self.source.listing()))
         self._ordered = order
         return total
@@ -160,7 +160,7 @@ class Planner:
         return member_bytes(f"{item.key}.webp", item.est_bytes) + member_bytes(*label)
 
     def _close(self, shard: _OpenShard) -> ShardTask:
-        path = f"{shard.split}/{shard_name(self.name, shard.index)}"
+        path = shard_rel(shard.split, self.name, shard.index)
         h = hashlib.sha256(f"{self.job_fingerprint}\0{path}".encode())
         for it in shard.items:
             h.update(json.dumps([it.key, it.source, list(it.labels), it.stamp]).encode())

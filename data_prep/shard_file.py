@@ -1,21 +1,20 @@
 """One shard file: samples in, a complete WebDataset tar and its index rows out. The only code that
 writes a shard: `vitpipe shard`'s workers (shard_worker.py) and the in-process `writer.write_dataset`.
 
-The tar is streamed to `NAME.tar.tmp` one sample at a time (memory: one image), hashed as it is
-written, fsynced and renamed only once complete, so a killed run never leaves a partial shard that
-looks complete. A shard that gets no sample leaves no file. Imports stay light (no pyarrow).
+The tar is streamed to a local staging file one sample at a time (memory: one image), hashed as it
+is written, and published under its name only once complete (`DatasetDir.publish`: fsync and rename
+in a local folder, a whole upload to object storage), so a killed run never leaves a partial shard
+that looks complete. A shard that gets no sample leaves no file. Imports stay light (no pyarrow.parquet).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
-from data_prep import atomic
+from data_prep.dataset_dir import DatasetDir
 from data_prep.layout import INDEX_COLUMNS
 from data_prep.tario import HashingWriter, add_member, open_writer
 
@@ -40,15 +39,14 @@ class WrittenShard:
     rows: dict[str, list]  # its samples' index.parquet rows, by column (layout.INDEX_COLUMNS)
 
 
-def write_shard(path: Path, shard: str, samples: Iterable[Sample], multi_label: bool) -> WrittenShard:
-    """Write `samples` as the tar at `path` (`shard`: that path relative to the dataset root, as the
-    index names it): `KEY.EXT` with the image, then `KEY.json` {"labels": [...]} or `KEY.cls`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = atomic.tmp_path(path)  # renamed only once whole (atomic.writing's steps, with the hash on the way)
+def write_shard(out: DatasetDir, shard: str, samples: Iterable[Sample], multi_label: bool) -> WrittenShard:
+    """Write `samples` as the tar `shard` (its path inside `out`, as the index names it): `KEY.EXT` with
+    the image, then `KEY.json` {"labels": [...]} or `KEY.cls`."""
+    tmp = out.staging(shard)
     rows: dict[str, list] = {c: [] for c in INDEX_COLUMNS}
     with open(tmp, "wb") as f:
-        out = HashingWriter(f)
-        with open_writer(out) as tar:
+        hashed = HashingWriter(f)
+        with open_writer(hashed) as tar:
             for s in samples:
                 add_member(tar, f"{s.key}.{s.ext}", s.image)
                 if multi_label:
@@ -59,12 +57,10 @@ def write_shard(path: Path, shard: str, samples: Iterable[Sample], multi_label: 
                 row = (s.key, s.split, shard, s.labels, s.width, s.height, len(s.image), sha256, s.source)
                 for c, v in zip(INDEX_COLUMNS, row):
                     rows[c].append(v)
-        out.sync()
     count = len(rows["key"])
     if not count:  # nothing to store: no shard file
         tmp.unlink()
-        path.unlink(missing_ok=True)
+        out.delete(shard)
         return WrittenShard(0, 0, "", rows)
-    os.replace(tmp, path)  # only now does the shard exist under its name
-    atomic.fsync_dir(path.parent)
-    return WrittenShard(count, out.size, out.sha256.hexdigest(), rows)
+    out.publish(tmp, shard)  # only now does the shard exist under its name
+    return WrittenShard(count, hashed.size, hashed.sha256.hexdigest(), rows)

@@ -1,40 +1,48 @@
 """One planned shard -> one complete tar and its sidecar: the only code a shard worker runs, the same
 in this process, in a worker process (`--workers N`) and in a Ray task (`--ray`).
 
-The tar is written by `shard_file.write_shard` (streamed, hashed, fsynced, renamed); the sidecar
+The tar is written by `shard_file.write_shard` (streamed, hashed, published whole); the sidecar
 (`.work/SPLIT/NAME.json`: fingerprint, size, sha256, index rows, rejected inputs) is written after
-the rename. A shard whose sidecar matches the task's
-fingerprint and whose file still has the recorded size and sha256 is complete: a re-run skips it.
-Imports stay light (no pyarrow, no Ray): a spawned worker starts in well under a second.
+it, beside the dataset (in the bucket for a dataset on object storage, so a re-run on another
+machine sees it). A shard whose sidecar matches the task's fingerprint and whose file still has the
+recorded size (and, in a local folder, sha256) is complete: a re-run skips it.
+Imports stay light (no pyarrow.parquet, no Ray): a spawned worker starts in well under a second.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
+from functools import cached_property
 
-from data_prep import atomic
-from data_prep.images import Rejected
-from data_prep.layout import sidecar_path
+from data_prep.dataset_dir import DatasetDir
+from data_prep.images import Prepared, Rejected
+from data_prep.layout import sidecar_rel
 from data_prep.plan import ShardTask
 from data_prep.shard_file import Sample, write_shard
-from data_prep.sources import Loader
-from data_prep.tario import file_sha256
+from data_prep.sources import Item, Loader
+from data_prep.storage import is_uri
 
 
 @dataclass(frozen=True)
 class ShardJob:
     """Everything a worker needs besides its task: small, picklable, the same for every shard."""
 
-    root: str
+    root: str  # the dataset: a local folder or an object store URI
+    scratch: str  # local work files of a remote dataset ("" for a local one: its own .work folder)
     name: str
     loader: Loader
     multi_label: bool
     resize_max: int | None
     quality: int
+
+    @cached_property
+    def out(self) -> DatasetDir:
+        return DatasetDir(self.root, self.scratch or None)
 
 
 @dataclass(frozen=True)
@@ -51,22 +59,23 @@ class ShardResult:
     seconds: float
 
 
-def _load_sidecar(path: Path) -> dict | None:
+def _load_sidecar(out: DatasetDir, rel: str) -> dict | None:
     try:
-        return json.loads(path.read_text())
+        raw = out.read_bytes(rel)
+        return None if raw is None else json.loads(raw)
     except (OSError, json.JSONDecodeError):
         return None
 
 
 def completed(task: ShardTask, job: ShardJob) -> ShardResult | None:
-    """The recorded result if this exact shard is already on disk, whole; else None."""
-    side = _load_sidecar(sidecar_path(Path(job.root), task.split, job.name, task.index))
+    """The recorded result if this exact shard is already written, whole; else None."""
+    out = job.out
+    side = _load_sidecar(out, sidecar_rel(task.split, job.name, task.index))
     if side is None or side.get("fingerprint") != task.fingerprint:
         return None
-    shard = Path(job.root) / task.path
     if side["count"] > 0:
         try:
-            if shard.stat().st_size != side["bytes"] or file_sha256(shard) != side["sha256"]:
+            if out.size(task.path) != side["bytes"] or out.sha256(task.path) not in (None, side["sha256"]):
                 return None
         except OSError:
             return None
@@ -84,26 +93,56 @@ def completed(task: ShardTask, job: ShardJob) -> ShardResult | None:
     )
 
 
+READ_AHEAD = 16  # object store inputs in flight per worker: each read waits on the network, not the CPU
+
+
+def _load_one(item: Item, job: ShardJob) -> Prepared | Rejected:
+    try:
+        return job.loader.load(item, job.resize_max, job.quality)
+    except MemoryError:
+        raise  # the machine, not this input
+    except Exception as exc:  # whatever one input raises, it must not stop the shard
+        return Rejected.of(exc, "read")  # not a Rejected: the loader's own reading failed
+
+
+def _loaded(items: tuple[Item, ...], job: ShardJob) -> Iterator[tuple[Item, Prepared | Rejected]]:
+    """Each item with its stored bytes or its rejection, in order. Files on local disk load one at a
+    time (one image in memory); object store URIs load READ_AHEAD at a time on threads, so a worker
+    overlaps the requests' latency (decoding holds the GIL, reading does not)."""
+    if not any(is_uri(item.source) for item in items):
+        for item in items:
+            yield item, _load_one(item, job)
+        return
+    with ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="shard-read") as pool:
+        window: deque = deque()
+        for item in items:
+            window.append((item, pool.submit(_load_one, item, job)))
+            if len(window) >= READ_AHEAD:
+                first, future = window.popleft()
+                yield first, future.result()
+        while window:
+            first, future = window.popleft()
+            yield first, future.result()
+
+
 def write_planned_shard(task: ShardTask, job: ShardJob) -> ShardResult:
     done = completed(task, job)
     if done is not None:
         return done
     t0 = time.perf_counter()
-    root = Path(job.root)
-    errors: list[list[str]] = []
+    out = job.out
+    errors: list[list[str]] = []  # [key, source, stage, reason] per rejected input
 
-    def samples() -> Iterator[Sample]:  # loaded one at a time, as the tar is written
-        for item in task.items:
-            try:
-                img = job.loader.load(item, job.resize_max, job.quality)
-            except (Rejected, OSError) as exc:
-                errors.append([item.key, item.source, str(exc)])
+    def samples() -> Iterator[Sample]:  # loaded in order, as the tar is written
+        for item, img in _loaded(task.items, job):
+            if isinstance(img, Rejected):
+                errors.append([item.key, item.source, img.stage, str(img)])
                 continue
             labels = list(item.labels if img.labels is None else img.labels)
             yield Sample(item.key, img.data, img.ext, labels, img.width, img.height, task.split, item.source)
 
     # Every input rejected: no shard file, the sidecar still records the shard as done.
-    shard = write_shard(root / task.path, task.path, samples(), job.multi_label)
+    shard = write_shard(out, task.path, samples(), job.multi_label)
     side = {
         "fingerprint": task.fingerprint,
         "split": task.split,
@@ -116,9 +155,7 @@ def write_planned_shard(task: ShardTask, job: ShardJob) -> ShardResult:
         "rows": shard.rows,
         "errors": errors,
     }
-    side_path = sidecar_path(root, task.split, job.name, task.index)
-    side_path.parent.mkdir(parents=True, exist_ok=True)
-    atomic.write_bytes(side_path, json.dumps(side).encode())
+    out.write_bytes(sidecar_rel(task.split, job.name, task.index), json.dumps(side).encode())
     return ShardResult(
         task.split,
         task.index,
@@ -133,8 +170,9 @@ def write_planned_shard(task: ShardTask, job: ShardJob) -> ShardResult:
     )
 
 
-def read_sidecar(root: Path, name: str, split: str, index: int) -> dict:
-    side = _load_sidecar(sidecar_path(root, split, name, index))
+def read_sidecar(out: DatasetDir, name: str, split: str, index: int) -> dict:
+    rel = sidecar_rel(split, name, index)
+    side = _load_sidecar(out, rel)
     if side is None:
-        raise FileNotFoundError(sidecar_path(root, split, name, index))
+        raise FileNotFoundError(out.describe(rel))
     return side

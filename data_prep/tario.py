@@ -81,10 +81,6 @@ class HashingWriter:
     def tell(self) -> int:
         return self.size
 
-    def sync(self) -> None:
-        self._f.flush()
-        os.fsync(self._f.fileno())
-
 
 def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()

@@ -6,6 +6,7 @@ full and every label a known class. Where the shard's sha256 is off, each sample
 index.parquet row (image sha256, labels), which names the damaged keys.
 
 vitpipe shard verify data/in1k --workers 8
+vitpipe shard verify s3://corpus/jft --workers 32     # on object storage: each shard read once, hashed on the way
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from pathlib import Path
 
 from PIL import Image
 
+from data_prep.dataset_dir import DatasetDir
 from data_prep.images import STORED_FORMATS
 from data_prep.layout import INDEX, ShardInfo, read_manifest
-from data_prep.tario import REGULAR_FILE, file_sha256, tar_entries
+from data_prep.tario import REGULAR_FILE, tar_entries
 
 IMAGE_EXTS = set(STORED_FORMATS.values()) | {"jpeg"}
 _MEMBER = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")  # webdataset's base_plus_ext: key up to the first dot
@@ -75,17 +77,34 @@ def _check_sample(
     return out
 
 
+class _HashingReader:
+    """Reads a stream and hashes every byte that passes (one read of a shard for both checks)."""
+
+    def __init__(self, f):
+        self._f, self.sha256 = f, hashlib.sha256()
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._f.read(n)
+        self.sha256.update(data)
+        return data
+
+    def drain(self) -> str:
+        while self.read(1 << 20):
+            pass
+        return self.sha256.hexdigest()
+
+
 def _compare_with_index(
-    root: Path, shard: ShardInfo, seen: dict[str, tuple[str, list]], multi_label: bool
+    root: DatasetDir, shard: ShardInfo, seen: dict[str, tuple[str, list]], multi_label: bool
 ) -> list[Problem]:
     """Name the damaged samples of a shard whose sha256 is off, from their index.parquet rows."""
     import pyarrow.parquet as pq  # only on this rare path: workers stay light
 
-    index = root / INDEX
-    if not index.is_file():
+    if root.size(INDEX) is None:
         return []
     label_col = "labels" if multi_label else "label"
-    table = pq.read_table(index, columns=["key", "sha256", label_col], filters=[("shard", "=", shard.path)])
+    with root.open_file(INDEX) as f:
+        table = pq.read_table(f, columns=["key", "sha256", label_col], filters=[("shard", "=", shard.path)])
     out = []
     for key, sha, label in zip(*(table.column(c).to_pylist() for c in ("key", "sha256", label_col))):
         labels = label if multi_label else [label]
@@ -99,16 +118,14 @@ def _compare_with_index(
 
 
 def verify_shard(root: str, shard: ShardInfo, num_classes: int, multi_label: bool) -> ShardCheck:
-    path = Path(root) / shard.path
-    if not path.is_file():
+    out = DatasetDir(root)
+    size = out.size(shard.path)
+    if size is None:
         return ShardCheck(shard.path, 0, [Problem(shard.path, None, "missing")])
     problems: list[Problem] = []
-    size = path.stat().st_size
     if size != shard.bytes:
         problems.append(Problem(shard.path, None, f"{size} bytes, manifest.json says {shard.bytes}"))
-    sha_ok = file_sha256(path) == shard.sha256
-    if not sha_ok:
-        problems.append(Problem(shard.path, None, "sha256 differs from manifest.json"))
+    sha_at = len(problems)  # the sha256 verdict goes here once the shard has been read
     seen: dict[str, tuple[str, list | None]] = {}  # key -> (image sha256, labels)
     samples, last = 0, None
 
@@ -123,10 +140,12 @@ def verify_shard(root: str, shard: ShardInfo, num_classes: int, multi_label: boo
             labels = None
         seen[key] = (hashlib.sha256(image).hexdigest(), labels)
 
+    sha = None
     try:
-        with open(path, "rb") as f:
+        with out.open(shard.path) as f:
+            reader = _HashingReader(f)
             key, parts = None, {}
-            for name, kind, data in tar_entries(f):
+            for name, kind, data in tar_entries(reader):
                 m = _MEMBER.match(name)
                 if kind not in REGULAR_FILE or m is None:
                     problems.append(Problem(shard.path, None, f"unexpected member {name!r}"))
@@ -139,12 +158,14 @@ def verify_shard(root: str, shard: ShardInfo, num_classes: int, multi_label: boo
                 last = key
             if key is not None:
                 close(key, parts)
+            sha = reader.drain()
     except (tarfile.TarError, OSError) as exc:
         problems.append(Problem(shard.path, last, f"unreadable tar after this key ({exc})"))
     if samples != shard.count:
         problems.append(Problem(shard.path, None, f"{samples} samples, manifest.json says {shard.count}"))
-    if not sha_ok:
-        problems.extend(_compare_with_index(Path(root), shard, seen, multi_label))
+    if sha != shard.sha256:
+        problems.insert(sha_at, Problem(shard.path, None, "sha256 differs from manifest.json"))
+        problems.extend(_compare_with_index(out, shard, seen, multi_label))
     return ShardCheck(shard.path, samples, problems)
 
 
@@ -157,15 +178,15 @@ def verify_dataset(root: str | Path, workers: int = 1) -> list[ShardCheck]:
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(min(workers, len(args)), mp_context=ctx) as pool:
             checks = list(pool.map(verify_shard, *zip(*args)))
-    return checks + [_check_index(Path(root), sum(manifest.totals.values()))]
+    return checks + [_check_index(DatasetDir(root), sum(manifest.totals.values()))]
 
 
-def _check_index(root: Path, expected_rows: int) -> ShardCheck:
+def _check_index(root: DatasetDir, expected_rows: int) -> ShardCheck:
     import pyarrow.parquet as pq  # heavy; the spawned shard-checking workers never need it
 
-    path = root / INDEX
     try:
-        rows = pq.ParquetFile(path).metadata.num_rows
+        with root.open_file(INDEX) as f:
+            rows = pq.ParquetFile(f).metadata.num_rows
     except (OSError, ValueError) as exc:
         return ShardCheck(INDEX, 0, [Problem(INDEX, None, f"unreadable ({exc})")])
     problems = (

@@ -9,18 +9,19 @@ itself uses `data_prep.build` instead: planned, parallel and resumable over inpu
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from collections.abc import Iterable
-from pathlib import Path
 
+from data_prep.dataset_dir import DatasetDir
 from data_prep.index import write_index
-from data_prep.layout import Manifest, ShardInfo, shard_path, write_manifest
+from data_prep.layout import Manifest, ShardInfo, shard_rel, write_manifest
 from data_prep.shard_file import Sample, write_shard
 
 
 def write_dataset(
-    root: Path,
+    root: str | os.PathLike,
     samples: Iterable[Sample],
     classes: list[str],
     multi_label: bool,
@@ -30,10 +31,11 @@ def write_dataset(
 ) -> Manifest:
     """Stream samples into shards of at most `max_count` per split, then write index.parquet and manifest.json.
 
-    Memory holds at most one open shard per split, whatever the corpus size.
+    Memory holds at most one open shard per split, whatever the corpus size. `root`: a folder or an
+    object store URI.
     """
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
+    out = DatasetDir(root)
+    out.make()
     manifest = Manifest(
         classes=classes,
         multi_label=multi_label,
@@ -49,9 +51,8 @@ def write_dataset(
         batch = buffers.pop(split)
         index = next_index.get(split, 0)
         next_index[split] = index + 1
-        path = shard_path(root, split, name, index)
-        relative = path.relative_to(root).as_posix()
-        shard = write_shard(path, relative, batch, multi_label)
+        relative = shard_rel(split, name, index)
+        shard = write_shard(out, relative, batch, multi_label)
         manifest.shards.append(ShardInfo(split, relative, shard.count, shard.bytes, shard.sha256))
         shard_rows.append(shard.rows)
 
@@ -61,6 +62,6 @@ def write_dataset(
             flush(s.split)
     for split in list(buffers):
         flush(split)
-    write_index(root, shard_rows, multi_label)
-    write_manifest(root, manifest)  # last: its presence marks the dataset complete
+    write_index(out, shard_rows, multi_label)
+    write_manifest(out, manifest)  # last: its presence marks the dataset complete
     return manifest

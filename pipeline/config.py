@@ -37,6 +37,7 @@ from pydantic import (
 )
 
 from data_prep import atomic
+from data_prep.dataset_dir import names_shards
 from data_prep.layout import DatasetError, read_manifest
 from pipeline.hardware import H100_BF16_PEAK_FLOPS
 
@@ -111,8 +112,9 @@ class SyntheticDataConfig(_Section):
 class DataConfig(_Section):
     train: str = Field(
         ...,
-        description="Dataset folder written by `vitpipe shard` (its train split is read; relative paths resolve "
-        "against the CWD), or a brace pattern / URL of shards webdataset opens (local, pipe:, http).",
+        description="Dataset written by `vitpipe shard`: a folder (relative paths resolve against the CWD) or an "
+        "object store prefix (s3://bucket/prefix, gs://...; credentials from the environment), whose train split "
+        "is read with the manifest's exact counts; or a brace pattern / URL of shards (local, s3://, pipe:, http).",
     )
     num_classes: int | None = Field(None, gt=0, description="Classes of a URL input without a manifest.")
     multi_label: bool | None = Field(
@@ -878,9 +880,9 @@ def load_experiment(path: str | os.PathLike, overrides: list[str] | None = None)
 
 
 def _dataset_problem(source: str, splits: list[str]) -> str | None:
-    """Why the loader could not read `source` (a dataset folder, or local shard files), else None.
-    URLs and object storage are not checked here (the loader reports what it cannot open)."""
-    if "{" in source or "::" in source or source.endswith((".tar", ".tar.gz", ".tgz")) or _is_remote(source):
+    """Why the loader could not read `source` (a dataset folder or object store prefix, or local shard
+    files), else None. Shard URLs are not checked here (the loader reports what it cannot open)."""
+    if names_shards(source):
         from webdataset.shardlists import expand_urls  # heavy (it imports torch): see _models
 
         urls = [u.removeprefix("file:") for u in expand_urls(source) if not _is_remote(u)]
@@ -888,8 +890,8 @@ def _dataset_problem(source: str, splits: list[str]) -> str | None:
         if missing:
             return f"{len(missing)} of {len(urls)} local shard files not found, the first: {missing[0]}"
         return None
-    root = Path(source)
-    if not root.exists():
+    root = source if _is_remote(source) else Path(source)  # a folder, or an object store prefix
+    if not _is_remote(source) and not root.exists():
         return (
             f"{root} does not exist: write a dataset there with `vitpipe shard`, or set data.synthetic "
             "to generate one"
@@ -901,14 +903,16 @@ def _dataset_problem(source: str, splits: list[str]) -> str | None:
     present = sorted({s.split for s in manifest.shards})
     for split in splits:
         if not manifest.split_shards(split):
-            return f"{root}: the manifest lists no shards for split {split!r} (it has: {', '.join(present)})"
+            shown = source.split("?", 1)[0]  # an object store URI's query (endpoint) is not worth showing
+            return f"{shown}: the manifest lists no shards for split {split!r} (it has: {', '.join(present)})"
     return None
 
 
 def input_problems(target: Experiment | StageConfig) -> list[str]:
     """Every stage's dataset that is missing, one line each: a local dataset folder needs its manifest
     and the splits the stage reads (train; an eval stage's eval_split, and train_split for few-shot or the
-    probe); local shard files must exist. Skipped: URIs, and a folder a stage generates (data.synthetic)."""
+    probe), on local disk or object storage; local shard files must exist. Skipped: shard URLs, and a
+    folder a stage generates (data.synthetic)."""
     stages = target.stages if isinstance(target, Experiment) else [(target.name, target)]
     generated = {cfg.data.train for _, cfg in stages if cfg.data.synthetic is not None}
     stages_with: dict[str, list[str]] = {}  # problem -> the stages it stops, in order

@@ -189,6 +189,36 @@ def ray_cluster():
     shutil.rmtree(f"{temp_dir}-worker1", ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def s3():
+    """A real S3 protocol server (moto) on 127.0.0.1 with the bucket `ckpt`; credentials in the environment,
+    as on a real cluster. Yields prefix -> `s3://ckpt/PREFIX?endpoint_override=...` (the endpoint rides
+    in the URI's query, so subprocesses reach it too)."""
+    from moto.server import ThreadedMotoServer
+
+    from data_prep.storage import Store
+
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    query = f"endpoint_override={host}:{port}&scheme=http&region=us-east-1"
+    Store(f"s3://ckpt?{query}&allow_bucket_creation=true").fs.create_dir("ckpt")  # the bucket
+    yield lambda prefix: f"s3://ckpt/{prefix}?{query}"
+    server.stop()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 @pytest.fixture(scope="session")
 def smoke_dataset(tmp_path_factory):
     """The smoke corpus (320 multi-label images, 8 shards), written once per session."""

@@ -257,7 +257,10 @@ def test_missing_dataset_is_reported_before_anything_starts(tmp_path, smoke_data
     ):
         check_inputs(cfg)
     assert input_problems(load_config(SMOKE, [f"data.train={tmp_path / 'nope'}"])) == []  # generated later
-    assert input_problems(load_config(SMOKE, ["data.train=s3://bucket/ds", "data.synthetic=null"])) == []
+    # a bucket dataset is checked too (its manifest read; tests/test_dataset_storage.py has a real one)
+    unreachable = "s3://bucket/ds?endpoint_override=127.0.0.1:9&scheme=http&region=us-east-1"
+    (problem,) = input_problems(load_config(SMOKE, [f"data.train={unreachable}", "data.synthetic=null"]))
+    assert "s3://bucket/ds/manifest.json: cannot read the manifest" in problem
     check_inputs(load_config(SMOKE, [f"data.train={smoke_dataset}", "data.synthetic=null"]))
     shards = f"{smoke_dataset}/train/shard-{{000000..000009}}.tar"  # 8 of the 10 exist
     problems = input_problems(load_config(SMOKE, [f"data.train={shards}", "data.synthetic=null"]))

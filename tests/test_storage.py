@@ -6,33 +6,7 @@ import os
 import pytest
 import torch
 
-from pipeline.train.storage import Store, child, is_uri
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    """A local S3 endpoint and a bucket; credentials in the environment, as on a real cluster."""
-    from moto.server import ThreadedMotoServer
-
-    env = {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    query = f"endpoint_override={host}:{port}&scheme=http&region=us-east-1"
-    Store(f"s3://ckpt?{query}&allow_bucket_creation=true").fs.create_dir("ckpt")  # the bucket
-    yield lambda prefix: f"s3://ckpt/{prefix}?{query}"
-    server.stop()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+from data_prep.storage import Store, child, is_uri
 
 
 @pytest.mark.unit

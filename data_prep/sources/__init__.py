@@ -42,7 +42,8 @@ class ListingError:
 
 class Loader(Protocol):
     def load(self, item: Item, resize_max: int | None, quality: int) -> Prepared:
-        """Stored bytes of one item; raises `images.Rejected` (or OSError) for a bad input."""
+        """Stored bytes of one item; raises `images.Rejected` (with its stage) for a bad input. Any
+        other exception (but MemoryError) also rejects just this item, at stage "read"."""
         ...
 
 

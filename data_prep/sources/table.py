@@ -1,8 +1,11 @@
 """A manifest table: Parquet or CSV (TSV) with a `path` column and `label` (single-label) or `labels`
-(a list, a JSON list string or names joined by '|': multi-label), optionally `split` and `key`.
-Relative paths resolve against the manifest's own folder. Read in record batches: memory stays flat.
+(a list, a JSON list string or names joined by '|': multi-label), optionally `split`, `key` and `bytes`.
+Relative paths resolve against the manifest's own folder; a path may be a URI (s3://bucket/img.jpg,
+gs://..., credentials from the environment), read by the shard workers, several at a time each. Read
+in record batches: memory stays flat.
 
 vitpipe shard manifest ~/data/train.parquet data/mydata --max-size 1G
+vitpipe shard manifest photos.parquet s3://corpus/photos --workers 32   # s3:// images in, shards to a bucket
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ import pyarrow.parquet as pq
 from data_prep.keys import check_split_name, key_from_path, sanitize_key
 from data_prep.layout import DatasetError
 from data_prep.sources import Item, ListingError
-from data_prep.sources.files import FileLoader, file_item
+from data_prep.sources.files import FileLoader, file_item, uri_item
 from data_prep.sources.labels import LabelSpace, UnknownLabel, parse_label_list
+from data_prep.storage import is_uri
 
 BATCH_ROWS = 8192
 
@@ -49,7 +53,7 @@ class ManifestSource:
             )
         self.label_col = label_col
         self.multi_label = label_col == "labels"
-        self.read_cols = ["path", label_col] + [c for c in ("split", "key") if c in columns]
+        self.read_cols = ["path", label_col] + [c for c in ("split", "key", "bytes") if c in columns]
         self._space = LabelSpace.infer(self._label_values(), classes)
         self.classes = self._space.classes
 
@@ -120,6 +124,8 @@ class ManifestSource:
         if not raw_path or not str(raw_path).strip():
             return ListingError("", where, "no path")
         written = str(raw_path).strip()
+        if is_uri(written):
+            return self._uri_row(written, r, where)
         path = Path(written)
         if not path.is_absolute():
             path = self.base / path
@@ -129,14 +135,29 @@ class ManifestSource:
         if not key:
             return ListingError("", str(path), f"{where}: no usable key")
         try:
-            raw = r[self.label_col]
-            labels = (
-                self._space.resolve_all(parse_label_list(raw))
-                if self.multi_label
-                else (self._space.resolve(raw),)
-            )
-            split = r.get("split")
-            split = check_split_name(str(split).strip()) if split and str(split).strip() else None
+            labels, split = self._labels_and_split(r)
         except (UnknownLabel, ValueError) as exc:
             return ListingError(key, str(path), str(exc))
         return file_item(path, key, labels, split)
+
+    def _labels_and_split(self, r: dict) -> tuple[tuple[int, ...], str | None]:
+        raw = r[self.label_col]
+        labels = (
+            self._space.resolve_all(parse_label_list(raw))
+            if self.multi_label
+            else (self._space.resolve(raw),)
+        )
+        split = r.get("split")
+        return labels, check_split_name(str(split).strip()) if split and str(split).strip() else None
+
+    def _uri_row(self, uri: str, r: dict, where: str) -> Item | ListingError:
+        bucket_and_path = uri.partition("://")[2].split("?", 1)[0]
+        key = sanitize_key(str(r["key"])) if r.get("key") else key_from_path(bucket_and_path)
+        if not key:
+            return ListingError("", uri, f"{where}: no usable key")
+        try:
+            labels, split = self._labels_and_split(r)
+            size = int(r["bytes"]) if r.get("bytes") else None
+        except (UnknownLabel, ValueError) as exc:
+            return ListingError(key, uri, str(exc))
+        return uri_item(uri, key, labels, split, size)

@@ -1,7 +1,8 @@
 """Raw samples out of shard URLs, with a budget for corrupt data.
 
-webdataset opens the URL (local path, file:, pipe:, http, ...); `data_prep.tario` parses the tar
-stream. A shard that fails to open or read ends there and its unread samples count as skipped; a
+Object store URLs (s3://, gs://, hdfs://, any scheme pyarrow or fsspec has) open through
+`data_prep.storage`, credentials from the environment; webdataset opens the rest (local path, file:,
+pipe:, http, ...); `data_prep.tario` parses the tar stream. A shard that fails to open or read ends there and its unread samples count as skipped; a
 sample that fails to decode is counted by the stream that decodes it. Each loader worker keeps one
 `SkipCounter`: above `max_skip_fraction` of the samples it has read (once it has read 100), it
 raises an error that names the last bad shard.
@@ -16,11 +17,21 @@ from contextlib import closing
 from webdataset.gopen import gopen
 
 from data_prep.layout import DatasetError
+from data_prep.storage import Store, is_uri
 from data_prep.tario import tar_samples
 
 log = logging.getLogger(__name__)
 MIN_READ_FOR_SKIP_CHECK = 100  # a fraction of the first few samples says little
 READ_BUFFER = 1 << 20
+WEBDATASET_SCHEMES = ("http", "https", "file", "pipe", "gs+http")  # what webdataset's gopen opens itself
+
+
+def open_shard(url: str):
+    """A readable binary stream of one shard."""
+    if is_uri(url) and url.split("://", 1)[0] not in WEBDATASET_SCHEMES:
+        store = Store(url)
+        return store.fs.open_input_stream(store.root, buffer_size=READ_BUFFER)
+    return gopen(url, "rb", bufsize=READ_BUFFER)
 
 
 class SkipCounter:
@@ -60,7 +71,7 @@ def read_shards(
     for url in urls:
         n = 0
         try:
-            with closing(gopen(url, "rb", bufsize=READ_BUFFER)) as stream:
+            with closing(open_shard(url)) as stream:
                 for sample in tar_samples(stream, url):
                     n += 1
                     yield sample
@@ -71,5 +82,5 @@ def read_shards(
 
 def count_samples(url: str) -> int:
     """Samples in one shard, by reading it (for URLs without a manifest)."""
-    with closing(gopen(url, "rb", bufsize=READ_BUFFER)) as stream:
+    with closing(open_shard(url)) as stream:
         return sum(1 for _ in tar_samples(stream, url))

@@ -1,9 +1,11 @@
 """Where a dataset's shards are and how many samples each holds: `DatasetInfo` from a folder or URLs.
 
     info = dataset_info("data/smoke", "train")          # a folder written by `vitpipe shard`
+    info = dataset_info("s3://corpus/jft", "train")     # the same, on object storage
     info = dataset_info("/data/jft/shard-{000000..099999}.tar", num_classes=18291, multi_label=True)
 
-Inputs: a dataset folder (exact per-shard counts from its manifest), or shard URLs: a brace pattern
+Inputs: a dataset folder or object store prefix (exact per-shard counts from its manifest; a URI's
+query, such as an S3 endpoint, rides along on every shard URL), or shard URLs: a brace pattern
 (`/data/shard-{000000..000099}.tar`), a list, or anything webdataset opens (`pipe:aws s3 cp
 s3://b/shard-000001.tar -`, `https://...`). Local URLs inside a dataset folder still get the
 manifest's counts; other URLs need `num_classes=` and `multi_label=`.
@@ -18,9 +20,8 @@ from pathlib import Path
 
 from webdataset.shardlists import expand_urls as wds_expand_urls
 
+from data_prep.dataset_dir import DatasetDir, names_shards
 from data_prep.layout import DatasetError, read_manifest
-
-TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 
 Source = str | os.PathLike | Sequence[str]
 
@@ -52,11 +53,11 @@ def epoch_batches(info: DatasetInfo, world_size: int, batch_size: int, num_worke
 
 
 def is_url_source(source: Source) -> bool:
-    """True for shard URLs (a list, a brace pattern, a URL, a .tar path); False for a dataset folder."""
+    """True for shard URLs (a list, a brace pattern, a .tar path or URL); False for a dataset root (a
+    folder, or an object store prefix such as s3://bucket/prefix)."""
     if not isinstance(source, (str, os.PathLike)):
         return True  # a list of URLs
-    s = os.fspath(source)
-    return "{" in s or "::" in s or "://" in s or s.startswith("pipe:") or s.endswith(TAR_SUFFIXES)
+    return names_shards(source)
 
 
 def expand_urls(source: str | Sequence[str]) -> list[str]:
@@ -92,15 +93,15 @@ def dataset_info(
 ) -> DatasetInfo:
     """Shard URLs and, where a manifest exists, exact counts: from a dataset folder or from URLs."""
     if not is_url_source(source):
-        root = Path(source)
+        root = DatasetDir(source)
         manifest = read_manifest(root)
         shards = manifest.split_shards(split)
         if not shards:
-            raise DatasetError(f"{root}: the manifest lists no shards for split {split!r}")
-        _check_given("num_classes", num_classes, len(manifest.classes), str(root))
-        _check_given("multi_label", multi_label, manifest.multi_label, str(root))
+            raise DatasetError(f"{root.describe()}: the manifest lists no shards for split {split!r}")
+        _check_given("num_classes", num_classes, len(manifest.classes), root.describe())
+        _check_given("multi_label", multi_label, manifest.multi_label, root.describe())
         return DatasetInfo(
-            urls=[str(root / s.path) for s in shards],
+            urls=[root.url(s.path) for s in shards],
             num_classes=len(manifest.classes),
             multi_label=manifest.multi_label,
             num_samples=sum(s.count for s in shards),

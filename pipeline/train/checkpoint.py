@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from data_prep import atomic
-from pipeline.train.storage import Store
+from data_prep.storage import Store
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from data_prep import atomic
+from data_prep.storage import Store, is_uri
 from pipeline.models import create_model
-from pipeline.train.storage import Store, is_uri
 
 WEIGHTS, META = "model.safetensors", "model.json"
 

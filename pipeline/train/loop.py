@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from data_prep.storage import Store, child
 from pipeline.config import StageConfig
 from pipeline.data.loader import make_train_loader
 from pipeline.data.sources import dataset_info
@@ -33,7 +34,6 @@ from pipeline.stage import init_weights, model_kwargs, open_stage
 from pipeline.train import checkpoint
 from pipeline.train.engine import build_engine, consolidated_state_dict, scaled_lr
 from pipeline.train.export import export_weights
-from pipeline.train.storage import Store, child
 
 log = logging.getLogger(__name__)
 STOP_FILE = "STOP"
