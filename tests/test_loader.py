@@ -297,6 +297,22 @@ def test_eval_every_sample_once_equal_batches_padding_masked(tmp_path, max_count
         assert_same_batches(a, b)  # deterministic
 
 
+def test_eval_pass_counts_a_missing_shard_and_a_corrupt_sample_then_names_them(tmp_path):
+    samples = list(synthetic_samples(40, CLASSES, seed=4, width=24, height=20))
+    samples[5].image = b"not a jpeg"
+    write_dataset(tmp_path, samples, class_names(CLASSES), multi_label=False, max_count=10)
+    info = dataset_info(tmp_path, "train")
+    (tmp_path / read_manifest(tmp_path).shards[2].path).unlink()  # listed, but gone
+    args = dict(rank=0, world_size=1, batch_size=4, img_size=IMG)
+    batches = take(make_eval_loader(info, data_config(max_skip_fraction=1.0), **args))
+    assert len(batches) == 10  # the same pass length as an intact dataset: every rank still in step
+    valid = [k for b in batches for k, v in zip(b["key"], b["valid"]) if v]
+    assert len(valid) == 40 - 1 - 10 and samples[5].key not in valid
+    assert max(b["skipped"] for b in batches) == 11  # counted: the eval stage reports "N of M samples"
+    with pytest.raises(DatasetError, match=r"shard-00000[02]\.tar"):
+        take(make_eval_loader(info, data_config(max_skip_fraction=0.01), **args))
+
+
 def _smooth(width: int, height: int) -> Image.Image:
     y, x = np.mgrid[0:height, 0:width] / 9.0
     rgb = np.stack([np.sin(x) + np.cos(y), np.sin(x + y), np.cos(x - 2 * y)], -1)

@@ -5,8 +5,9 @@ last ones are padded with a repeated sample marked `valid=False` ([B] bool). Sam
 shard (rank r reads shards r, r + world_size, ...) when there are at least as many shards as ranks,
 else by sample index (i % world_size); `by_shard` says which. Each loader worker takes a contiguous
 block of the rank's batches (it opens only the shards that block needs), so a full pass holds the
-same samples whatever num_workers is, but the first k batches do not. Corrupt samples are skipped
-and counted in `skipped`; their slots stay padding.
+same samples whatever num_workers is, but the first k batches do not. Corrupt samples and unreadable
+shards are skipped and counted in `skipped` (their slots stay padding) up to `max_skip_fraction` of the
+pass, checked once more when the pass ends however few samples it read; then the error names the shard.
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ class EvalStream(IterableDataset):
                 continue
             counter.good()
             builder.put(pos - b * bs, image, labels, sample["__key__"])
+        counter.finish()  # a small split never reaches the running check's minimum: judge the whole pass
         while b < hi:
             yield batch()
             b += 1

@@ -54,8 +54,12 @@ class SkipCounter:
         log.warning("%s: skipping %s", self.where, self.last_bad)
         self._check()
 
-    def _check(self) -> None:
-        if self.read >= MIN_READ_FOR_SKIP_CHECK and self.bad > self.max_fraction * self.read:
+    def finish(self) -> None:
+        """The end of a finite pass: the fraction over everything read, however little that was."""
+        self._check(minimum=1)
+
+    def _check(self, minimum: int = MIN_READ_FOR_SKIP_CHECK) -> None:
+        if self.read >= minimum and self.bad > self.max_fraction * self.read:
             raise DatasetError(
                 f"{self.where}: {self.bad} of {self.read} samples read were unreadable "
                 f"({self.bad / self.read:.1%} > max_skip_fraction {self.max_fraction:.1%}); "

@@ -306,6 +306,20 @@ def evaluate(
                 except Exception as exc:  # figures are optional: a plotting failure must not lose the metrics
                     log.exception("figures failed")
                     details["figures_skipped"] = {"all": f"failed: {exc!r}"}
+            seen = details.get("eval_samples")
+            if seen is not None and info.num_samples is not None and seen < info.num_samples:
+                # unreadable samples within data.max_skip_fraction: counted, never a silently short pass
+                details["eval_unreadable"] = info.num_samples - seen
+                log.warning(
+                    "%s: evaluated %d of the %d samples of split %r; %d unreadable (skipped within "
+                    "data.max_skip_fraction %g)",
+                    cfg.name,
+                    seen,
+                    info.num_samples,
+                    e.eval_split,
+                    info.num_samples - seen,
+                    cfg.data.max_skip_fraction,
+                )
         shared = [metrics, details]
         dist.broadcast_object_list(shared, src=0, group=ctx.control_group)
         metrics, details = shared
