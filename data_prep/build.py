@@ -117,11 +117,16 @@ def build_dataset(
     source: Source, out: str | os.PathLike, opts: BuildOptions, command: str = "", options: dict | None = None
 ) -> BuildReport:
     t0 = time.perf_counter()
+    fingerprint = job_fingerprint(source, opts)
     try:
         root = DatasetDir(out, opts.scratch)
         root.make()
         # The manifest marks a complete dataset; shards are about to change, so it goes first.
         root.delete(MANIFEST)
+        # One small write before any work: a missing bucket or a read-only folder fails here, named.
+        root.write_bytes(
+            f"{WORK}/job.json", json.dumps({"fingerprint": fingerprint, "command": command}).encode()
+        )
     except (OSError, ValueError) as exc:
         raise DatasetError(
             f"{os.fspath(out).split('?', 1)[0]}: cannot write the dataset there ({exc})"
@@ -129,7 +134,7 @@ def build_dataset(
     planner = Planner(
         root.scratch,
         source,
-        job_fingerprint(source, opts),
+        fingerprint,
         name=opts.name,
         max_count=opts.max_count,
         max_size=opts.max_size,
@@ -165,7 +170,10 @@ def build_dataset(
         bar.close()
     if planner.num_inputs == 0:
         raise DatasetError(f"{source.where}: no inputs found")
-    report = _finish(root, source, opts, planner, results, command, options or {})
+    try:
+        report = _finish(root, source, opts, planner, results, command, options or {})
+    except OSError as exc:  # writing the index, errors or manifest: the storage, not an input
+        raise DatasetError(f"{root.describe()}: cannot finish the dataset ({exc})") from None
     report.seconds = time.perf_counter() - t0
     return report
 

@@ -21,7 +21,7 @@ from functools import cached_property
 
 from data_prep.dataset_dir import DatasetDir
 from data_prep.images import Prepared, Rejected
-from data_prep.layout import sidecar_rel
+from data_prep.layout import DatasetError, sidecar_rel
 from data_prep.plan import ShardTask
 from data_prep.shard_file import Sample, write_shard
 from data_prep.sources import Item, Loader
@@ -142,20 +142,23 @@ def write_planned_shard(task: ShardTask, job: ShardJob) -> ShardResult:
             yield Sample(item.key, img.data, img.ext, labels, img.width, img.height, task.split, item.source)
 
     # Every input rejected: no shard file, the sidecar still records the shard as done.
-    shard = write_shard(out, task.path, samples(), job.multi_label)
-    side = {
-        "fingerprint": task.fingerprint,
-        "split": task.split,
-        "index": task.index,
-        "path": task.path,
-        "count": shard.count,
-        "bytes": shard.bytes,
-        "sha256": shard.sha256,
-        "planned_bytes": task.planned_bytes,
-        "rows": shard.rows,
-        "errors": errors,
-    }
-    out.write_bytes(sidecar_rel(task.split, job.name, task.index), json.dumps(side).encode())
+    try:
+        shard = write_shard(out, task.path, samples(), job.multi_label)
+        side = {
+            "fingerprint": task.fingerprint,
+            "split": task.split,
+            "index": task.index,
+            "path": task.path,
+            "count": shard.count,
+            "bytes": shard.bytes,
+            "sha256": shard.sha256,
+            "planned_bytes": task.planned_bytes,
+            "rows": shard.rows,
+            "errors": errors,
+        }
+        out.write_bytes(sidecar_rel(task.split, job.name, task.index), json.dumps(side).encode())
+    except OSError as exc:  # the output's storage (disk full, bucket gone), not an input: stop, named
+        raise DatasetError(f"{out.describe(task.path)}: cannot write the shard ({exc})") from None
     return ShardResult(
         task.split,
         task.index,

@@ -101,6 +101,10 @@ def test_shard_into_a_bucket_writes_what_a_folder_gets_and_verify_reads_it(s3, i
         )
     assert not list((tmp_path / "scratch").rglob("*.tar")), "staged shards are removed once uploaded"
 
+    missing = shard("folder", images, uri.replace("s3://ckpt/", "s3://nobucket/"), *args, expect=2)
+    assert "s3://nobucket/folder-ds: cannot write the dataset there" in missing.stderr
+    assert "Bucket 'nobucket' not found" in missing.stderr  # one line, before any work
+
     ok = shard("verify", uri, "--workers", 2)
     assert "all OK" in ok.stdout
     # a flipped byte in one shard object: verify names the shard and the key
@@ -234,3 +238,21 @@ def test_manifest_of_s3_images_shards_them_and_names_the_missing(s3, tmp_path, m
     assert sorted(r["key"] for r in index) == [f"ckpt/inputs/img/{i:03d}" for i in range(40)]
     assert all(r["source"].startswith("s3://ckpt/inputs/img/") for r in index)
     assert "all OK" in shard("verify", out).stdout
+
+
+def test_any_fsspec_filesystem_holds_a_dataset():
+    """The generic path: a scheme pyarrow lacks goes through fsspec (here its in-process memory://)."""
+    from data_prep.verify import verify_dataset
+
+    samples = list(synthetic_samples(24, 4, seed=5, width=24, height=20))
+    write_dataset("memory://fsspec-ds", samples, class_names(4), multi_label=True, max_count=8)
+    assert [c.problems for c in verify_dataset("memory://fsspec-ds")] == [[]] * 4  # 3 shards and the index
+    info = dataset_info("memory://fsspec-ds", "train")
+    assert info.num_samples == 24
+    data = DataConfig(train="memory://fsspec-ds", batch_size=4, num_workers=0, shuffle_buffer=0)
+    keys = [
+        k
+        for b in make_train_loader(info, data, rank=0, world_size=1, img_size=16, seed=0, epochs=1)
+        for k in b["key"]
+    ]
+    assert sorted(keys) == sorted(s.key for s in samples)
