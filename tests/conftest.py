@@ -175,18 +175,55 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="session")
-def ray_cluster():
-    """A local Ray head plus a second node (token auth on, 127.0.0.1), shared by every Ray test."""
-    from cluster import local  # imports Ray (seconds): only sessions that run a Ray test pay for it
+class _RayClusters:
+    """This process's local Ray cluster (a head plus a second node, token auth on, 127.0.0.1), started
+    by the first test that asks for one and stopped after the last of a run of such tests: an idle
+    cluster costs about 4 s of CPU a minute (measured), which other tests on two cores would wait for."""
 
-    temp_dir = tempfile.mkdtemp(prefix="vpray", dir="/tmp")  # short: Ray's socket paths have a length limit
-    cluster = local.start_head(temp_dir, num_cpus=2)
-    local.add_worker_node(cluster, num_cpus=2)
-    yield cluster
-    local.stop(cluster)
-    shutil.rmtree(temp_dir, ignore_errors=True)
-    shutil.rmtree(f"{temp_dir}-worker1", ignore_errors=True)
+    cluster = None
+    temp_dir = ""
+
+    @classmethod
+    def get(cls):
+        if cls.cluster is None:
+            from cluster import local  # imports Ray (seconds): only sessions that run a Ray test pay for it
+
+            cls.temp_dir = tempfile.mkdtemp(
+                prefix="vpray", dir="/tmp"
+            )  # short: Ray's socket paths have a limit
+            cls.cluster = local.start_head(cls.temp_dir, num_cpus=2)
+            local.add_worker_node(cls.cluster, num_cpus=2)
+        return cls.cluster
+
+    @classmethod
+    def stop(cls) -> None:
+        if cls.cluster is None:
+            return
+        from cluster import local
+
+        local.stop(cls.cluster)
+        shutil.rmtree(cls.temp_dir, ignore_errors=True)
+        shutil.rmtree(f"{cls.temp_dir}-worker1", ignore_errors=True)
+        cls.cluster = None
+
+
+@pytest.fixture
+def ray_cluster():
+    """The shared local Ray cluster (see `_RayClusters`); the Ray tests of a group run back to back on one
+    worker (tests/scheduling.py), so they share one cluster."""
+    return _RayClusters.get()
+
+
+@pytest.hookimpl(trylast=True)  # after the test's own fixtures are finalized
+def pytest_runtest_teardown(item, nextitem):
+    if "ray_cluster" in item.fixturenames and (
+        nextitem is None or "ray_cluster" not in nextitem.fixturenames
+    ):
+        _RayClusters.stop()
+
+
+def pytest_sessionfinish(session):
+    _RayClusters.stop()
 
 
 @pytest.fixture(scope="module")

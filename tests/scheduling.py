@@ -4,7 +4,7 @@ Most of the suite's wall time is waiting (Ray Train start-up, torchrun rendezvou
 workers on two cores overlap the waiting. Two rules keep that correct and fast:
 - Tests that share an expensive fixture run on one worker (an `xdist_group`), so the fixture is built once:
   a module-scoped fixture defined in a test module groups that module's users; the Ray tests split into three
-  groups, each with its own local cluster (`ray_cluster` is session-scoped, so one per worker).
+  groups, each with its own local cluster (started for the group, stopped after its last test).
 - The longest units are handed out first (xdist gives work in collection order), so no long test starts
   last and holds the run open while the other workers idle.
 Without xdist (`pytest tests/test_x.py`) the groups are ignored and the order is the same as ever within a
