@@ -65,7 +65,7 @@ class BuildOptions:
     max_errors: float = 0.1  # fraction of inputs that may be rejected before the run fails
     seed: int = 0
     progress: bool = True
-    scratch: str | None = None  # local work folder for a dataset on object storage (default: a temp dir)
+    scratch: str | None = None  # base of the local work folder when OUT is object storage (default: temp dir)
 
 
 @dataclass
@@ -152,7 +152,8 @@ def build_dataset(
         total = planner.prepare()
     if planner.num_inputs == 0 and source.mix:
         raise DatasetError(f"{source.where}: no inputs found")
-    scratch = str(root.scratch) if root.remote else ""
+    # Each worker (a Ray task on another node too) derives its own scratch from the same base.
+    scratch = os.path.abspath(opts.scratch) if opts.scratch and root.remote else ""
     job = ShardJob(
         root.location, scratch, opts.name, source.loader(), source.multi_label, opts.resize_max, opts.quality
     )

@@ -125,7 +125,8 @@ def _common_options() -> argparse.ArgumentParser:
         "--scratch",
         default=None,
         metavar="DIR",
-        help="local work folder when OUT is object storage (default: one under the system temp dir)",
+        help="local work folder when OUT is object storage (a folder per dataset under DIR; default: the "
+        "system temp dir)",
     )
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
@@ -206,6 +207,7 @@ def _digits(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     checks = verify_dataset(args.out, workers=args.workers)
+    shown = args.out.split("?", 1)[0]  # an object store URI's query (endpoint) is not worth printing
     bad = [c for c in checks if c.problems]
     for c in bad:
         for p in c.problems:
@@ -213,9 +215,9 @@ def _verify(args: argparse.Namespace) -> int:
     shards = [c for c in checks if c.shard.endswith(".tar")]
     samples = sum(c.samples for c in shards)
     if bad:
-        print(f"vitpipe shard verify: {len(bad)} of {len(checks)} files bad in {args.out}", file=sys.stderr)
+        print(f"vitpipe shard verify: {len(bad)} of {len(checks)} files bad in {shown}", file=sys.stderr)
         return 1
-    print(f"verified {len(shards)} shards, {samples} samples in {args.out}: all OK")
+    print(f"verified {len(shards)} shards, {samples} samples in {shown}: all OK")
     return 0
 
 

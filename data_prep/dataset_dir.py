@@ -10,7 +10,7 @@ Local folders keep today's guarantees (write to NAME.tmp, fsync, rename). On obj
 written on local scratch first and uploaded whole: an object store shows an object only once its
 upload completes, and an upload that stops early is deleted (`storage.Store.upload`), so no reader
 ever finds half a shard under a shard's name. Small records (sidecars, the manifest) are one PUT.
-Scratch on a remote dataset: `scratch=` or a folder under the system temp dir named by the URI;
+Scratch on a remote dataset: a folder named by the URI under `scratch=` or the system temp dir;
 nothing in it is needed after a run, and a killed run resumes from what the bucket holds.
 
 Credentials come from the environment only (see `storage.py`).
@@ -36,29 +36,40 @@ def names_shards(source: str | os.PathLike) -> bool:
     """True where `source` names shard files (a brace pattern, a '::' list, a `.tar` path or URL, a
     `pipe:` command) rather than a dataset root (a folder, or an object store prefix with a manifest)."""
     s = os.fspath(source)
-    return "{" in s or "::" in s or s.startswith("pipe:") or s.split("?", 1)[0].endswith(SHARD_SUFFIXES)
+    return (
+        "{" in s
+        or "::" in s
+        or s.startswith(("pipe:", "http://", "https://"))  # no dataset roots over HTTP: these are shards
+        or s.split("?", 1)[0].endswith(SHARD_SUFFIXES)
+    )
 
 
-def default_scratch(uri: str) -> Path:
-    """A per-dataset local folder for a remote dataset's work files (the same on every run)."""
+def scratch_for(uri: str, base: str | os.PathLike | None = None) -> Path:
+    """A remote dataset's local work folder, the same on every run: BASE/vitpipe-shard/HASH-OF-URI, so
+    two datasets sharing one --scratch never share files; BASE defaults to the system temp dir (on each
+    node its own)."""
     name = hashlib.sha256(uri.split("?", 1)[0].encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / "vitpipe-shard" / name
+    return Path(base or tempfile.gettempdir()).absolute() / "vitpipe-shard" / name
 
 
 class DatasetDir:
     """A dataset root, local or remote; paths inside are relative POSIX strings ("train/x.tar")."""
 
     def __init__(self, location: str | os.PathLike, scratch: str | os.PathLike | None = None):
-        self.location = os.fspath(location)
-        self.remote = is_uri(self.location)
+        location = os.fspath(location)
+        if location.startswith("file://"):  # a local folder: keep rename-into-place and fsync
+            location = location.removeprefix("file://")
+        self.remote = is_uri(location)
         if self.remote:
-            self.store: Store | None = Store(self.location)
+            self.location = location
+            self.store: Store | None = Store(location)
             self.root: Path | None = None
-            self.scratch = Path(scratch) if scratch else default_scratch(self.location)
+            self.scratch = scratch_for(location, scratch)
         else:
+            self.location = os.path.abspath(location)  # the same folder from any process's CWD
             self.store = None
             self.root = Path(self.location)
-            self.scratch = Path(scratch) if scratch else self.root / ".work"
+            self.scratch = self.root / ".work"  # a local dataset keeps its work files beside it
 
     def __repr__(self) -> str:
         return f"DatasetDir({self.describe()!r})"
@@ -72,9 +83,6 @@ class DatasetDir:
     def url(self, rel: str) -> str:
         """What the loader opens for `rel`: a local path, or the URI with its query (endpoint) kept."""
         return child(self.location, rel) if self.remote else str(self.root / rel)
-
-    def exists(self) -> bool:
-        return self.store.exists("") if self.store is not None else self.root.is_dir()
 
     def make(self) -> None:
         """Create the root (a no-op on object stores, whose prefixes need no creating)."""

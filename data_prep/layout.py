@@ -104,7 +104,7 @@ def read_manifest(root: Root) -> Manifest:
     try:
         where = dataset_dir(root)  # an object store client may resolve the bucket's region here
         raw = where.read_bytes(MANIFEST)
-    except OSError as exc:  # an unreachable or refusing object store
+    except (OSError, ValueError) as exc:  # an unreachable or refusing object store, a malformed URI
         shown = os.fspath(root.location if isinstance(root, DatasetDir) else root).split("?", 1)[0]
         raise DatasetError(f"{shown.rstrip('/')}/{MANIFEST}: cannot read the manifest ({exc})") from None
     path = where.describe(MANIFEST)
@@ -136,5 +136,8 @@ def read_manifest(root: Root) -> Manifest:
 
 
 def has_dataset(root: Root) -> bool:
-    where = dataset_dir(root)
-    return where.size(MANIFEST) is not None
+    try:
+        return dataset_dir(root).size(MANIFEST) is not None
+    except (OSError, ValueError) as exc:
+        shown = os.fspath(root.location if isinstance(root, DatasetDir) else root).split("?", 1)[0]
+        raise DatasetError(f"{shown}: cannot look for a manifest there ({exc})") from None

@@ -1,7 +1,8 @@
 """One shard file: samples in, a complete WebDataset tar and its index rows out. The only code that
 writes a shard: `vitpipe shard`'s workers (shard_worker.py) and the in-process `writer.write_dataset`.
 
-The tar is streamed to a local staging file one sample at a time (memory: one image), hashed as it
+The tar is streamed to a local staging file one sample at a time (memory: one image, plus the inputs a worker reads ahead from object
+storage), hashed as it
 is written, and published under its name only once complete (`DatasetDir.publish`: fsync and rename
 in a local folder, a whole upload to object storage), so a killed run never leaves a partial shard
 that looks complete. A shard that gets no sample leaves no file. Imports stay light (no pyarrow.parquet).

@@ -33,7 +33,7 @@ class ShardJob:
     """Everything a worker needs besides its task: small, picklable, the same for every shard."""
 
     root: str  # the dataset: a local folder or an object store URI
-    scratch: str  # local work files of a remote dataset ("" for a local one: its own .work folder)
+    scratch: str  # base of a remote dataset's local work folder ("": the system temp dir of each node)
     name: str
     loader: Loader
     multi_label: bool
@@ -68,11 +68,14 @@ def _load_sidecar(out: DatasetDir, rel: str) -> dict | None:
 
 
 def completed(task: ShardTask, job: ShardJob) -> ShardResult | None:
-    """The recorded result if this exact shard is already written, whole; else None."""
+    """The recorded result if this exact shard is already written, whole, and none of its inputs failed to
+    be read (those are read again: the cause may have been the network or a file since put right); else None."""
     out = job.out
     side = _load_sidecar(out, sidecar_rel(task.split, job.name, task.index))
     if side is None or side.get("fingerprint") != task.fingerprint:
         return None
+    if any(stage == "read" for _, _, stage, _ in side["errors"]):
+        return None  # an input that could not be read (a network error, a file fixed since): try again
     if side["count"] > 0:
         try:
             if out.size(task.path) != side["bytes"] or out.sha256(task.path) not in (None, side["sha256"]):
@@ -96,33 +99,54 @@ def completed(task: ShardTask, job: ShardJob) -> ShardResult | None:
 READ_AHEAD = 16  # object store inputs in flight per worker: each read waits on the network, not the CPU
 
 
+def _rejected(exc: Exception) -> Rejected:
+    if isinstance(exc, MemoryError):
+        raise exc  # the machine, not this input
+    return Rejected.of(exc, "read")  # not a Rejected: the loader's own reading failed
+
+
 def _load_one(item: Item, job: ShardJob) -> Prepared | Rejected:
     try:
         return job.loader.load(item, job.resize_max, job.quality)
-    except MemoryError:
-        raise  # the machine, not this input
     except Exception as exc:  # whatever one input raises, it must not stop the shard
-        return Rejected.of(exc, "read")  # not a Rejected: the loader's own reading failed
+        return _rejected(exc)
+
+
+def _read_one(item: Item, loader) -> bytes | Rejected:
+    try:
+        return loader.read(item)
+    except Exception as exc:
+        return _rejected(exc)
 
 
 def _loaded(items: tuple[Item, ...], job: ShardJob) -> Iterator[tuple[Item, Prepared | Rejected]]:
     """Each item with its stored bytes or its rejection, in order. Files on local disk load one at a
-    time (one image in memory); object store URIs load READ_AHEAD at a time on threads, so a worker
-    overlaps the requests' latency (decoding holds the GIL, reading does not)."""
-    if not any(is_uri(item.source) for item in items):
+    time (memory: one image); object store URIs are read READ_AHEAD at a time on threads (a worker
+    overlaps the requests' latency) and decoded here, one at a time, in order."""
+    read = getattr(job.loader, "read", None)
+    if read is None or not any(is_uri(item.source) for item in items):
         for item in items:
             yield item, _load_one(item, job)
         return
+
+    def finish(item: Item, data: bytes | Rejected) -> Prepared | Rejected:
+        if isinstance(data, Rejected):
+            return data
+        try:
+            return job.loader.prepare(data, job.resize_max, job.quality)
+        except Exception as exc:
+            return _rejected(exc)
+
     with ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="shard-read") as pool:
         window: deque = deque()
         for item in items:
-            window.append((item, pool.submit(_load_one, item, job)))
+            window.append((item, pool.submit(_read_one, item, job.loader)))
             if len(window) >= READ_AHEAD:
                 first, future = window.popleft()
-                yield first, future.result()
+                yield first, finish(first, future.result())
         while window:
             first, future = window.popleft()
-            yield first, future.result()
+            yield first, finish(first, future.result())
 
 
 def write_planned_shard(task: ShardTask, job: ShardJob) -> ShardResult:

@@ -25,7 +25,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import pyarrow.fs as pafs
 
@@ -35,10 +35,26 @@ def is_uri(location: str | os.PathLike | None) -> bool:
     return location is not None and "://" in str(location)
 
 
+def _refuse_credentials(uri: str) -> None:
+    """Keys written into a URI (s3://KEY:SECRET@bucket/...) would reach logs, manifests and the index."""
+    parts = urlsplit(uri)
+    if parts.username or parts.password:
+        where = f"{parts.scheme}://{parts.hostname or ''}{parts.path}"
+        raise ValueError(
+            f"{where}: the URI carries credentials; give them through the environment (AWS_ACCESS_KEY_ID, "
+            "AWS_SECRET_ACCESS_KEY, instance roles, GOOGLE_APPLICATION_CREDENTIALS), never in a URI"
+        )
+
+
 def _filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
+    _refuse_credentials(uri)
     try:
         return pafs.FileSystem.from_uri(uri)
-    except ValueError as exc:  # pyarrow's ArrowInvalid: a scheme it was not built with
+    except ValueError as exc:  # pyarrow's ArrowInvalid
+        if "Unrecognized filesystem type" not in str(exc):
+            # a scheme pyarrow has, used wrongly (a misspelt query option): say so, never fall back to an
+            # fsspec implementation that would drop the option and talk to another endpoint
+            raise ValueError(f"storage URI {uri.split('?', 1)[0]!r}: {exc}") from None
         scheme = urlsplit(uri).scheme
         try:
             import fsspec  # optional: only for schemes pyarrow lacks (az://, abfs://, ...)
@@ -46,7 +62,7 @@ def _filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
             fs = fsspec.filesystem(scheme)
         except (ImportError, ValueError) as fs_exc:
             raise ValueError(
-                f"storage URI {uri!r}: neither pyarrow ({exc}) nor fsspec ({fs_exc}) has a filesystem for "
+                f"storage URI {uri.split('?', 1)[0]!r}: neither pyarrow ({exc}) nor fsspec ({fs_exc}) has a filesystem for "
                 f"{scheme}://; install its fsspec package (e.g. adlfs for az://)"
             ) from None
         return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), uri.split("://", 1)[1].split("?", 1)[0]
@@ -63,12 +79,13 @@ def read_object(uri: str) -> bytes:
     reading a small image). pyarrow's S3 reader sends a HEAD before each GET; boto3 would send one GET,
     but costs twice the client CPU per object and holds the GIL while it parses (measured: 2.6 against
     1.3 ms per object, and a shard worker's decoding waits on it), so it fed workers slower."""
-    parts = urlsplit(uri)
+    _refuse_credentials(uri)
+    parts = urlsplit(uri, allow_fragments=False)  # '#' may be part of an object key
     if parts.scheme in ("s3", "gs"):
         fs = _bucket_filesystem(
             f"{parts.scheme}://{parts.netloc}" + (f"?{parts.query}" if parts.query else "")
         )
-        path = parts.netloc + parts.path
+        path = unquote(parts.netloc + parts.path)  # as pyarrow reads a URI: s3://b/a%20b.jpg is "a b.jpg"
     else:
         store = Store(uri)
         fs, path = store.fs, store.root
@@ -112,10 +129,22 @@ class Store:
         self.write_bytes(rel, text.encode())
 
     def write_bytes(self, rel: str, data: bytes) -> None:
-        """One PUT on object stores (atomic: readers see the old object or the new one)."""
+        """A small file: one PUT on object stores (readers see the old object or the new one). Past the
+        client's multipart threshold a failed write could leave a short object: its size is checked and
+        a short one removed, as `upload` does."""
         self._ensure_parent(rel)
-        with self.fs.open_output_stream(self._path(rel)) as f:
-            f.write(data)
+        try:
+            with self.fs.open_output_stream(self._path(rel)) as f:
+                f.write(data)
+            got = self.size(rel)
+            if got != len(data):
+                raise OSError(f"{self.describe(rel)}: wrote {got} bytes of {len(data)}")
+        except BaseException:
+            try:
+                self.delete_file(rel)
+            except OSError:
+                pass
+            raise
 
     def read_bytes(self, rel: str) -> bytes | None:
         """The object's bytes, or None where there is none."""
@@ -131,8 +160,9 @@ class Store:
         return info.size if info.type == pafs.FileType.File else None
 
     def open_input(self, rel: str):
-        """A readable binary stream (sequential reads; pyarrow's NativeFile)."""
-        return self.fs.open_input_stream(self._path(rel))
+        """A readable binary stream (sequential reads, buffered: unbuffered, every small read of an
+        object store stream would be a ranged GET of its own)."""
+        return self.fs.open_input_stream(self._path(rel), buffer_size=1 << 20)
 
     def open_file(self, rel: str):
         """A seekable binary file (random access: Parquet footers and row groups)."""
@@ -203,8 +233,13 @@ class Store:
             self.fs.delete_dir(self._path(rel))
 
     def _ensure_parent(self, rel: str) -> None:
+        if self.fs.type_name in ("s3", "gcs"):
+            # Object stores need no parents, and pyarrow would PUT an empty marker object for every
+            # ancestor (bucket/, bucket/team/, ...): denied under a prefix-scoped IAM policy, and
+            # rate-limited when many workers rewrite the same keys.
+            return
         parent = self._path(rel).rsplit("/", 1)[0]
-        self.fs.create_dir(parent, recursive=True)  # a no-op on object stores without folders
+        self.fs.create_dir(parent, recursive=True)
 
 
 def child(uri: str, *parts: str) -> str:

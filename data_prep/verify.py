@@ -118,8 +118,11 @@ def _compare_with_index(
 
 
 def verify_shard(root: str, shard: ShardInfo, num_classes: int, multi_label: bool) -> ShardCheck:
-    out = DatasetDir(root)
-    size = out.size(shard.path)
+    try:
+        out = DatasetDir(root)
+        size = out.size(shard.path)
+    except (OSError, ValueError) as exc:  # the storage, not the shard: still one line naming it
+        return ShardCheck(shard.path, 0, [Problem(shard.path, None, f"cannot read ({exc})")])
     if size is None:
         return ShardCheck(shard.path, 0, [Problem(shard.path, None, "missing")])
     problems: list[Problem] = []

@@ -8,7 +8,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from data_prep.images import Prepared, Rejected, prepare_encoded
+from data_prep.images import Prepared, Rejected, describe, prepare_encoded
 from data_prep.sources import Item, ListingError
 from data_prep.storage import is_uri, read_object
 
@@ -29,18 +29,27 @@ def file_item(path: Path, key: str, labels: tuple[int, ...], split: str | None =
 
 @dataclass(frozen=True)
 class FileLoader:
-    def load(self, item: Item, resize_max: int | None, quality: int) -> Prepared:
+    """`read` (I/O only: a shard worker runs it on threads for object store inputs) then `prepare`
+    (decoding, in the worker's own thread: Pillow's warning filters are process-wide)."""
+
+    def read(self, item: Item) -> bytes:
         try:
             if is_uri(item.source):
-                data = read_object(item.source)
-            else:
-                with open(item.source, "rb") as f:
-                    data = f.read()
+                return read_object(item.source)
+            with open(item.source, "rb") as f:
+                return f.read()
         except FileNotFoundError:
             raise Rejected("cannot read: no such file or object", "read") from None
         except OSError as exc:
-            raise Rejected(f"cannot read: {exc.strerror or exc}", "read") from None
+            raise Rejected(
+                f"cannot read: {describe(exc) if exc.strerror is None else exc.strerror}", "read"
+            ) from None
+
+    def prepare(self, data: bytes, resize_max: int | None, quality: int) -> Prepared:
         return prepare_encoded(data, resize_max, quality)
+
+    def load(self, item: Item, resize_max: int | None, quality: int) -> Prepared:
+        return self.prepare(self.read(item), resize_max, quality)
 
 
 URI_EST_BYTES = 110_000  # a listed URI is not stat'ed: a typical JPEG's size stands in for --max-size

@@ -93,8 +93,8 @@ def dataset_info(
 ) -> DatasetInfo:
     """Shard URLs and, where a manifest exists, exact counts: from a dataset folder or from URLs."""
     if not is_url_source(source):
+        manifest = read_manifest(source)  # a storage or URI problem: a DatasetError naming it
         root = DatasetDir(source)
-        manifest = read_manifest(root)
         shards = manifest.split_shards(split)
         if not shards:
             raise DatasetError(f"{root.describe()}: the manifest lists no shards for split {split!r}")
