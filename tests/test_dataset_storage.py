@@ -112,7 +112,9 @@ def test_shard_into_a_bucket_writes_what_a_folder_gets_and_verify_reads_it(s3, i
 
     missing = shard("folder", images, uri.replace("s3://ckpt/", "s3://nobucket/"), *args, expect=2)
     assert "s3://nobucket/folder-ds: cannot write the dataset there" in missing.stderr
-    assert "bucket does not exist" in missing.stderr and len(missing.stderr.splitlines()) == 1  # before any work
+    assert (
+        "bucket does not exist" in missing.stderr and len(missing.stderr.splitlines()) == 1
+    )  # before any work
 
     ok = shard("verify", uri, "--workers", 2)
     assert "all OK" in ok.stdout
