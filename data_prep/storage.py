@@ -24,6 +24,8 @@ import functools
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -73,22 +75,33 @@ def _bucket_filesystem(base: str) -> pafs.FileSystem:
     return _filesystem(base)[0]
 
 
-def read_object(uri: str) -> bytes:
-    """The whole file or object at `uri`; a missing one raises FileNotFoundError. On s3:// and gs:// one
-    filesystem per bucket and query is made once per process and reused (making one costs more than
-    reading a small image). pyarrow's S3 reader sends a HEAD before each GET; boto3 would send one GET,
-    but costs twice the client CPU per object and holds the GIL while it parses (measured: 2.6 against
-    1.3 ms per object, and a shard worker's decoding waits on it), so it fed workers slower."""
+def _locate(uri: str) -> tuple[pafs.FileSystem, str]:
+    """The filesystem and path of one file's URI. On s3:// and gs:// one filesystem per bucket and query
+    is made once per process and reused: making one costs more than reading a small image (and may ask
+    the bucket's region), and the loader and the shard workers open one file after another."""
     _refuse_credentials(uri)
     parts = urlsplit(uri, allow_fragments=False)  # '#' may be part of an object key
     if parts.scheme in ("s3", "gs"):
         fs = _bucket_filesystem(
             f"{parts.scheme}://{parts.netloc}" + (f"?{parts.query}" if parts.query else "")
         )
-        path = unquote(parts.netloc + parts.path)  # as pyarrow reads a URI: s3://b/a%20b.jpg is "a b.jpg"
-    else:
-        store = Store(uri)
-        fs, path = store.fs, store.root
+        return fs, unquote(parts.netloc + parts.path)  # as pyarrow reads a URI: s3://b/a%20b.jpg is "a b.jpg"
+    store = Store(uri)
+    return store.fs, store.root
+
+
+def open_stream(uri: str, buffer_size: int = 1 << 20):
+    """A buffered sequential reader of the file at `uri` (a shard); a missing one raises FileNotFoundError."""
+    fs, path = _locate(uri)
+    return fs.open_input_stream(path, buffer_size=buffer_size)
+
+
+def read_object(uri: str) -> bytes:
+    """The whole file or object at `uri`; a missing one raises FileNotFoundError. pyarrow's S3 reader
+    sends a HEAD before each GET; boto3 would send one GET, but costs twice the client CPU per object
+    and holds the GIL while it parses (measured: 2.6 against 1.3 ms per object, and a shard worker's
+    decoding waits on it), so it fed workers slower."""
+    fs, path = _locate(uri)
     with fs.open_input_stream(path) as f:
         return f.read()
 
@@ -132,19 +145,9 @@ class Store:
         """A small file: one PUT on object stores (readers see the old object or the new one). Past the
         client's multipart threshold a failed write could leave a short object: its size is checked and
         a short one removed, as `upload` does."""
-        self._ensure_parent(rel)
-        try:
+        with self._whole(rel, len(data)):
             with self.fs.open_output_stream(self._path(rel)) as f:
                 f.write(data)
-            got = self.size(rel)
-            if got != len(data):
-                raise OSError(f"{self.describe(rel)}: wrote {got} bytes of {len(data)}")
-        except BaseException:
-            try:
-                self.delete_file(rel)
-            except OSError:
-                pass
-            raise
 
     def read_bytes(self, rel: str) -> bytes | None:
         """The object's bytes, or None where there is none."""
@@ -179,18 +182,23 @@ class Store:
         """Copy a complete local file to `rel`. Where the copy fails, what reached the store under `rel`
         is removed: pyarrow completes an object store upload even when the copy stops early (arrow
         issue 40502), so a short object would otherwise look whole."""
-        self._ensure_parent(rel)
-        expected = os.path.getsize(local)
-        try:
+        with self._whole(rel, os.path.getsize(local)):
             pafs.copy_files(
                 str(local),
                 self._path(rel),
                 source_filesystem=pafs.LocalFileSystem(),
                 destination_filesystem=self.fs,
             )
+
+    @contextmanager
+    def _whole(self, rel: str, expected: int) -> Iterator[None]:
+        """Around a write of `expected` bytes to `rel`: afterwards the file holds all of them, or is gone."""
+        self._ensure_parent(rel)
+        try:
+            yield
             got = self.size(rel)
             if got != expected:
-                raise OSError(f"{self.describe(rel)}: uploaded {got} bytes of {expected}")
+                raise OSError(f"{self.describe(rel)}: wrote {got} bytes of {expected}")
         except BaseException:
             try:
                 self.delete_file(rel)

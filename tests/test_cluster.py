@@ -50,26 +50,39 @@ def runs_by_name(uri: str) -> dict:
     }
 
 
-def test_two_stage_experiment_through_ray_job_submit(ray_cluster, tmp_path, smoke_dataset):
-    run_dir = tmp_path / "exp"
-    proc = cli(
+def ray_job_submit(
+    ray_cluster, run_dir: Path, data: Path, *overrides: str, options=(), env_vars=None
+) -> list[str]:
+    """The plain `ray job submit` command line of the two-stage experiment, as a user types it."""
+    runtime_env = {
+        "excludes": [".git", ".venv", "data", "runs"],
+        **({"env_vars": env_vars} if env_vars else {}),
+    }
+    return [
         ray_bin(),
         "job",
         "submit",
+        *options,
         "--address",
         ray_cluster.dashboard_url,
         "--working-dir",
         str(ROOT),
         "--runtime-env-json",
-        json.dumps({"excludes": [".git", ".venv", "data", "runs"]}),
+        json.dumps(runtime_env),
         "--",
         sys.executable,
         "-m",
         "cluster.run",
         str(TWO_STAGE),
         f"run_dir={run_dir}",
-        f"defaults.data.train={smoke_dataset}",
-    )
+        f"defaults.data.train={data}",
+        *overrides,
+    ]
+
+
+def test_two_stage_experiment_through_ray_job_submit(ray_cluster, tmp_path, smoke_dataset):
+    run_dir = tmp_path / "exp"
+    proc = cli(*ray_job_submit(ray_cluster, run_dir, smoke_dataset))
     log = proc.stdout + proc.stderr
     assert "succeeded" in log.lower()
     assert_readable_job_log(log)
@@ -177,28 +190,14 @@ def test_ray_job_stop_checkpoints_the_running_stage(ray_cluster, tmp_path, smoke
     run_dir = tmp_path / "exp"
     sid = f"stoptest-{int(time.time())}"
     cli(
-        ray_bin(),
-        "job",
-        "submit",
-        "--no-wait",
-        "--submission-id",
-        sid,
-        "--address",
-        ray_cluster.dashboard_url,
-        "--working-dir",
-        str(ROOT),
-        "--runtime-env-json",
-        json.dumps(
-            {"excludes": [".git", ".venv", "data", "runs"], "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "120"}}
-        ),
-        "--",
-        sys.executable,
-        "-m",
-        "cluster.run",
-        str(TWO_STAGE),
-        f"run_dir={run_dir}",
-        f"defaults.data.train={smoke_dataset}",
-        "stages.pretrain.optim.steps=400",
+        *ray_job_submit(
+            ray_cluster,
+            run_dir,
+            smoke_dataset,
+            "stages.pretrain.optim.steps=400",
+            options=("--no-wait", "--submission-id", sid),
+            env_vars={"RAY_JOB_STOP_WAIT_TIME_S": "120"},
+        )
     )
     ckpts = run_dir / "pretrain" / "checkpoints"
     deadline = (

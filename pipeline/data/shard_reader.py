@@ -17,7 +17,7 @@ from contextlib import closing
 from webdataset.gopen import gopen
 
 from data_prep.layout import DatasetError
-from data_prep.storage import Store, is_uri
+from data_prep.storage import is_uri, open_stream
 from data_prep.tario import tar_samples
 
 log = logging.getLogger(__name__)
@@ -29,8 +29,7 @@ WEBDATASET_SCHEMES = ("http", "https", "file", "pipe", "gs+http")  # what webdat
 def open_shard(url: str):
     """A readable binary stream of one shard."""
     if is_uri(url) and url.split("://", 1)[0] not in WEBDATASET_SCHEMES:
-        store = Store(url)
-        return store.fs.open_input_stream(store.root, buffer_size=READ_BUFFER)
+        return open_stream(url, READ_BUFFER)
     return gopen(url, "rb", bufsize=READ_BUFFER)
 
 
