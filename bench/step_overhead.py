@@ -23,6 +23,7 @@ os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0
 import torch  # noqa: E402
 
 from pipeline.config import validate_config  # noqa: E402
+from pipeline.data.device import batch_to_device  # noqa: E402
 from pipeline.data.transforms import normalize  # noqa: E402
 from pipeline.models import create_model, param_groups  # noqa: E402
 from pipeline.objectives import build_objective, model_kwargs  # noqa: E402
@@ -63,12 +64,15 @@ def ours(steps: int):
     model = create_model(MODEL, img_size=IMG, **model_kwargs(cfg.objective, CLASSES))
     engine, _, _ = build_engine(model, cfg, ctx)
     data = itertools.cycle(batches())
+    to_device = batch_to_device(ctx.device, cfg.data, IMG)
+    log_every = cfg.tracking.log_every
 
     def run() -> float:
         t0 = time.perf_counter()
         for step in range(steps):
-            train_step(engine, objective, data, ctx.device, 0, step, 1, 0)
-            checkpoint.all_agree(True, ctx.control_group)  # the loop's per-step stop check
+            train_step(engine, objective, data, to_device, 0, step, 1, 0)
+            if (step + 1) % log_every == 0:
+                checkpoint.all_agree(True, ctx.control_group)  # the loop's stop check, at log steps
         return (time.perf_counter() - t0) / steps
 
     return run

@@ -39,7 +39,6 @@ from pydantic import (
 from data_prep import atomic
 from data_prep.dataset_dir import names_shards
 from data_prep.layout import DatasetError, read_manifest
-from pipeline.hardware import H100_BF16_PEAK_FLOPS
 
 
 class ConfigError(ValueError):
@@ -92,6 +91,19 @@ class ModelConfig(_Section):
     init_head: bool = Field(
         False, description="Also load the classifier head from init_from (else a new zero head)."
     )
+    patch_dropout: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="FLIP patch dropout (supervised objectives, plain ViTs): in training each image keeps a "
+        "random 1 - patch_dropout of its patch tokens (prefix tokens always); evaluation sees all of them. "
+        "FLOPs and MFU count the kept tokens.",
+    )
+    compile: bool = Field(
+        False,
+        description="Run the model under torch.compile inside the DeepSpeed engine (every ZeRO stage); the "
+        "first steps pay the compilation.",
+    )
 
     @field_validator("init_from")
     @classmethod
@@ -141,6 +153,13 @@ class DataConfig(_Section):
     num_workers: int = Field(1, ge=0, description="Loader worker processes per rank.")
     shuffle_buffer: int = Field(256, ge=0, description="Samples held in the in-worker shuffle buffer.")
     min_scale: float = Field(0.35, gt=0.0, le=1.0, description="RandomResizedCrop lower area bound.")
+    decode: Literal["cpu", "cuda"] = Field(
+        "cpu",
+        description="Where training images are decoded. `cpu`: PIL in the loader workers. `cuda`: the workers "
+        "only draw each crop and flip; JPEGs are decoded in batches on the GPU (nvJPEG, torchvision's "
+        "decode_jpeg) and cropped, resized and flipped there. Needs cluster.use_gpu and the `gpu` extra; "
+        "RandAugment stays CPU-only. Other formats (PNG, WebP) are decoded on the CPU either way.",
+    )
 
     @field_validator("train")
     @classmethod
@@ -216,7 +235,14 @@ class OptimConfig(_Section):
 
 class DeepSpeedConfig(_Section):
     zero_stage: Literal[0, 1, 2, 3] = Field(2, description="ZeRO stage.")
-    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Training precision.")
+    precision: Literal["fp32", "bf16", "fp16"] | None = Field(
+        None,
+        description="Training precision; null means bf16 with cluster.use_gpu and fp32 on CPU. Under bf16 and "
+        "fp16 gradients are reduced across ranks in fp32 (DeepSpeed's communication_data_type).",
+    )
+    tf32: bool = Field(
+        True, description="On GPU, run the remaining fp32 matmuls and convolutions on TF32 tensor cores."
+    )
     grad_accum: int = Field(1, gt=0, description="Gradient accumulation steps.")
     offload_optimizer: bool = Field(False, description="ZeRO CPU offload of the optimizer state.")
     offload_params: bool = Field(False, description="ZeRO-3 CPU offload of the parameters.")
@@ -246,11 +272,17 @@ class TrackingConfig(_Section):
         None, description="MLflow tracking URI; null means sqlite:///<run_dir>/mlflow.db."
     )
     experiment: str | None = Field(None, description="MLflow experiment name; null means the config's name.")
-    log_every: int = Field(1, gt=0, description="Log metrics every N steps.")
-    peak_tflops: float = Field(
-        H100_BF16_PEAK_FLOPS / 1e12,
+    log_every: int = Field(
+        20,
+        gt=0,
+        description="Every N steps the ranks read their losses to the host, agree on stop requests and log; "
+        "between log steps a step makes no host sync. A stop request takes effect at the next log step.",
+    )
+    peak_tflops: float | None = Field(
+        None,
         gt=0.0,
-        description=f"Per-device peak for MFU (H100/H200 dense bf16: {H100_BF16_PEAK_FLOPS / 1e12:g}).",
+        description="Per-device peak for MFU; null looks the GPU up by name in `pipeline.hardware.PEAK_TABLE` "
+        "(dense; e.g. H100/H200 SXM bf16 989, A100 bf16 312) for the stage's precision. No peak, no MFU.",
     )
     system_metrics: bool = Field(True, description="Log CPU, memory (and GPU) use with MLflow's sampler.")
 
@@ -322,6 +354,9 @@ class EvalConfig(_Section):
     batch_size: int | None = Field(None, gt=0, description="Per-rank eval batch size; null: data.batch_size.")
 
 
+PATCH_DROPOUT_OBJECTIVES = ("supervised_softmax", "supervised_sigmoid", "distill")
+
+
 class StageConfig(_Section):
     name: str = Field(
         ...,
@@ -352,6 +387,18 @@ class StageConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> StageConfig:
+        if self.deepspeed.precision is None:
+            self.deepspeed.precision = "bf16" if self.cluster.use_gpu else "fp32"
+        if self.data.decode == "cuda":
+            if not self.cluster.use_gpu:
+                raise ValueError("data.decode: cuda decodes on the GPU, so it needs cluster.use_gpu: true")
+            if self.data.randaugment is not None:
+                raise ValueError("data.decode: cuda has no RandAugment (a PIL op): set data.decode: cpu")
+        if self.model.patch_dropout and self.objective.name not in PATCH_DROPOUT_OBJECTIVES:
+            raise ValueError(
+                f"model.patch_dropout is for supervised training ({', '.join(PATCH_DROPOUT_OBJECTIVES)}); "
+                f"objective {self.objective.name} sees every patch (MAE drops its own)"
+            )
         if self.deepspeed.offload_params and self.deepspeed.zero_stage != 3:
             raise ValueError("deepspeed.offload_params needs deepspeed.zero_stage: 3")
         if self.optim.warmup_steps > self.optim.steps:
@@ -688,7 +735,16 @@ def model_problems(
 def _checked(cfg: StageConfig, source: str) -> StageConfig:
     """`cfg` if its model (and distillation teacher) can be built as configured, else a ConfigError."""
     m, t = cfg.model, cfg.objective.teacher
-    problems = model_problems(m.name, m.img_size, m.overrides, "model", num_classes=m.num_classes)
+    overrides = dict(m.overrides)
+    problems = []
+    if m.patch_dropout:
+        if m.name in _models().list_models() and "patch_dropout" not in model_options(m.name):
+            problems.append(
+                f"model.patch_dropout: {m.name} has no patch dropout (the plain ViTs, vit_*, have)"
+            )
+        else:
+            overrides["patch_dropout"] = m.patch_dropout
+    problems += model_problems(m.name, m.img_size, overrides, "model", num_classes=m.num_classes)
     if t is not None:
         problems += model_problems(
             t.model,

@@ -168,7 +168,8 @@ class MaskedPatchPrediction:
         images = _pixels(model, batch["image"])
         targets = mean_colour_classes(batch["image"], _unwrap(model).patch_size)  # [B, N]
         loss, logits, corrupted = model(images, targets, generator=_generator(batch, images.device))
-        acc = (logits.argmax(-1) == targets)[corrupted].float().mean()
+        hits = (logits.argmax(-1) == targets) & corrupted  # no boolean indexing: it syncs with the host
+        acc = hits.float().sum() / corrupted.float().sum().clamp_min(1.0)
         return loss, {"patch_accuracy": acc.detach()}
 
 
@@ -201,7 +202,10 @@ class Distillation:
             raise ValueError(
                 f"objective.teacher.weights: {t.weights} does not fit {t.model}: {exc}"
             ) from None
-        self.teacher = teacher.to(device).eval().requires_grad_(False)
+        # The teacher runs in the student's precision (bf16 on GPU): an fp32 teacher would cost more than
+        # the student's own forward.
+        dtype = next(_unwrap(model).parameters()).dtype
+        self.teacher = teacher.to(device=device, dtype=dtype).eval().requires_grad_(False)
         self.teacher_size = t.img_size
 
     def loss(self, model, batch):
@@ -216,7 +220,7 @@ class Distillation:
                 if not self.teacher_size
                 else F.interpolate(images, size=self.teacher_size, mode="bicubic")
             )
-            t_logits = self.teacher(t_in.float()).float()  # the teacher stays fp32
+            t_logits = self.teacher(t_in).float()
         if self.cfg.distill_type == "hard":
             dist = F.cross_entropy(dist_logits.float(), t_logits.argmax(-1))
         else:

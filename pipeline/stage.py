@@ -124,6 +124,7 @@ def model_kwargs(cfg: StageConfig, num_classes: int) -> dict:
     return {
         "img_size": cfg.model.img_size,
         **objectives.model_kwargs(cfg.objective, num_classes),
+        **({"patch_dropout": cfg.model.patch_dropout} if cfg.model.patch_dropout else {}),
         **cfg.model.overrides,
     }
 

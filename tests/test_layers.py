@@ -35,6 +35,7 @@ LAZY_IMPORTS = {
     "matplotlib": "only the analysis figures draw anything",
     "sklearn": "only `vitpipe shard digits` reads its bundled digits",
     "pyarrow": "`verify` workers are spawned per shard and never read Parquet; only the index check does",
+    "torchvision": "an optional GPU extra (it must match the CUDA torch); only data.decode: cuda decodes with it",
 }
 
 # The same, for one importing module only: (importer, imported module) -> why. Every vitpipe command

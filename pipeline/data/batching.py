@@ -69,11 +69,21 @@ def _empty_batch(shape: tuple[int, ...], shared: bool) -> torch.Tensor:
 
 
 class BatchBuilder:
-    """Fills preallocated uint8 batch tensors in place: one copy per image, no torch.stack."""
+    """Fills preallocated uint8 batch tensors in place: one copy per image, no torch.stack.
 
-    def __init__(self, batch_size: int, img_size: int, num_classes: int, multi_label: bool):
+    With `encoded=True` (data.decode: cuda) a slot may instead hold a JPEG still encoded, with the crop box
+    and flip drawn for it (`add_encoded`); the batch then also carries "jpeg_data" (uint8 [total bytes],
+    the JPEGs one after another), "jpeg_offsets" (long [B + 1]: slot i's bytes are
+    jpeg_data[offsets[i]:offsets[i + 1]], empty for a slot decoded here), "box" (float [B, 4]: left, top,
+    right, bottom in pixels) and "flip" (bool [B]). `pipeline.data.device` decodes them on the GPU.
+    """
+
+    def __init__(
+        self, batch_size: int, img_size: int, num_classes: int, multi_label: bool, encoded: bool = False
+    ):
         self.batch_size, self.img_size = batch_size, img_size
         self.num_classes, self.multi_label = num_classes, multi_label
+        self.encoded = encoded
         self.shared = get_worker_info() is not None  # in a DataLoader worker process
         self._new()
 
@@ -86,9 +96,14 @@ class BatchBuilder:
         self.keys = [""] * b
         self.valid = torch.zeros(b, dtype=torch.bool)  # [B] slots holding a real sample
         self.n = 0
+        if self.encoded:
+            self.jpegs: list[bytes] = [b""] * b
+            self.boxes = torch.zeros((b, 4))  # [B, 4] crop boxes of the encoded slots
+            self.flips = torch.zeros(b, dtype=torch.bool)  # [B]
 
-    def put(self, slot: int, image: torch.Tensor, labels: list[int] | int, key: str) -> None:
-        self.images[slot] = image  # uint8 [3, H, W] -> its batch slot
+    def put(self, slot: int, image: torch.Tensor | None, labels: list[int] | int, key: str) -> None:
+        if image is not None:  # None: an encoded slot, decoded on the training device
+            self.images[slot] = image  # uint8 [3, H, W] -> its batch slot
         if self.multi_label:
             self.targets[slot].zero_()
             self.targets[slot, labels] = 1.0
@@ -102,6 +117,32 @@ class BatchBuilder:
         self.put(self.n, image, labels, key)
         self.n += 1
         return self.n == self.batch_size
+
+    def add_encoded(
+        self,
+        jpeg: bytes,
+        box: tuple[float, float, float, float],
+        flip: bool,
+        labels: list[int] | int,
+        key: str,
+    ) -> bool:
+        """Append one sample whose JPEG the training device decodes; True when the batch is full."""
+        slot = self.n
+        self.put(slot, None, labels, key)
+        self.jpegs[slot], self.flips[slot] = jpeg, flip
+        self.boxes[slot] = torch.tensor(box, dtype=torch.float32)
+        self.n += 1
+        return self.n == self.batch_size
+
+    def _encoded_fields(self) -> dict:
+        sizes = torch.tensor([0] + [len(j) for j in self.jpegs], dtype=torch.long)
+        offsets = sizes.cumsum(0)  # [B + 1]
+        total = int(offsets[-1])
+        data = _empty_batch((total,), self.shared and total > 0)  # one buffer: one shared-memory segment
+        for i, jpeg in enumerate(self.jpegs):
+            if jpeg:
+                data[offsets[i] : offsets[i + 1]] = torch.frombuffer(bytearray(jpeg), dtype=torch.uint8)
+        return {"jpeg_data": data, "jpeg_offsets": offsets, "box": self.boxes, "flip": self.flips}
 
     def pad(self, last: list) -> None:
         """Fill the empty slots with a repeat of a real sample: this batch's last, else `last`
@@ -119,6 +160,8 @@ class BatchBuilder:
     def take(self, **extra) -> dict:
         """The batch {"image", "target", "key", **extra}; the builder starts a new one."""
         batch = {"image": self.images, "target": self.targets, "key": self.keys, **extra}
+        if self.encoded:
+            batch.update(self._encoded_fields())
         self._new()
         return batch
 

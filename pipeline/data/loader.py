@@ -82,6 +82,7 @@ def make_train_loader(
         randaugment=data.randaugment,
         hflip=data.hflip,
         max_skip_fraction=data.max_skip_fraction,
+        decode=data.decode,
     )
     workers = data.num_workers
     return _data_loader(

@@ -33,6 +33,7 @@ Resume: `start_batch=M` continues the rank's stream exactly where batch M-1 ende
 
 from __future__ import annotations
 
+import io
 import itertools
 import logging
 from collections.abc import Iterator
@@ -46,10 +47,10 @@ from torch.utils.data import IterableDataset
 
 from data_prep.layout import DatasetError
 from pipeline.data import seeds
-from pipeline.data.batching import BatchBuilder, decode, loader_worker
+from pipeline.data.batching import BatchBuilder, decode, image_bytes, loader_worker, sample_labels
 from pipeline.data.shard_reader import SkipCounter, read_shards
 from pipeline.data.sources import DatasetInfo, epoch_batches
-from pipeline.data.transforms import train_tensor
+from pipeline.data.transforms import train_crop_plan, train_tensor
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,12 @@ class ShardStream(IterableDataset):
         randaugment: tuple[int, float] | None = None,
         hflip: bool = True,
         max_skip_fraction: float = 0.01,
+        decode: str = "cpu",
     ):
+        if decode not in ("cpu", "cuda"):
+            raise ValueError(f"decode must be 'cpu' or 'cuda', got {decode!r}")
+        if decode == "cuda" and randaugment is not None:
+            raise ValueError("decode='cuda' has no RandAugment (a PIL op): decode on the CPU")
         workers = max(1, num_workers)
         slots = world_size * workers
         if not resampled and len(info.urls) < slots:
@@ -135,7 +141,7 @@ class ShardStream(IterableDataset):
         self.seed, self.shuffle_buffer, self.min_scale = seed, shuffle_buffer, min_scale
         self.start_batch, self.resampled, self.epochs = start_batch, resampled, epochs
         self.randaugment, self.max_skip_fraction = randaugment, max_skip_fraction
-        self.hflip = hflip
+        self.hflip, self.decode = hflip, decode
         self._counts = dict(zip(info.urls, info.shard_counts)) if info.shard_counts else None
 
     @staticmethod
@@ -230,6 +236,21 @@ class ShardStream(IterableDataset):
     def _augment(self, img: Image.Image, rng: np.random.Generator) -> torch.Tensor:
         return train_tensor(img, self.img_size, rng, self.min_scale, self.randaugment, self.hflip)
 
+    def _add(self, builder: BatchBuilder, sample: dict, rng: np.random.Generator) -> bool:
+        """Decode and augment one sample into the batch (True when full). With decode="cuda" a JPEG goes in
+        still encoded, with its crop box and flip drawn from the same `rng` as the CPU path draws them:
+        only its header is read here. Other formats are decoded here either way."""
+        multi, k = self.info.multi_label, self.info.num_classes
+        if self.decode == "cuda":
+            data = image_bytes(sample)
+            with Image.open(io.BytesIO(data)) as img:  # the header only: size and format
+                if img.format == "JPEG":
+                    labels = sample_labels(sample, multi, k)
+                    box, flip = train_crop_plan(img.width, img.height, rng, self.min_scale, self.hflip)
+                    return builder.add_encoded(data, box, flip, labels, sample["__key__"])
+        image, labels = decode(sample, multi, k, partial(self._augment, rng=rng))
+        return builder.add(image, labels, sample["__key__"])
+
     def __iter__(self) -> Iterator[dict]:
         process, num_workers = loader_worker()
         # The DataLoader asks its workers round-robin from process 0, but the uninterrupted stream's
@@ -237,7 +258,7 @@ class ShardStream(IterableDataset):
         worker = (process + self.start_batch) % num_workers
         counter = SkipCounter(self.max_skip_fraction, f"rank {self.rank} worker {worker}")
         multi, k = self.info.multi_label, self.info.num_classes
-        builder = BatchBuilder(self.batch_size, self.img_size, k, multi)
+        builder = BatchBuilder(self.batch_size, self.img_size, k, multi, encoded=self.decode == "cuda")
         rounds, made, to_skip = self._resume(worker, num_workers)
         for rnd in rounds:
             augment_rng = seeds.sample_rngs(*rnd.augment_key)
@@ -246,12 +267,12 @@ class ShardStream(IterableDataset):
                     to_skip -= 1
                     continue
                 try:
-                    image, labels = decode(sample, multi, k, partial(self._augment, rng=augment_rng(i)))
+                    full = self._add(builder, sample, augment_rng(i))
                 except Exception as exc:  # a corrupt sample is skipped and counted, never fatal here
                     counter.skip(sample.get("__url__", "?"), f"sample {sample.get('__key__')}", exc)
                     continue
                 counter.good()
-                if builder.add(image, labels, sample["__key__"]):
+                if full:
                     yield builder.take(skipped=counter.bad)
                     made += 1
                     if rnd.quota is not None and made == rnd.quota:

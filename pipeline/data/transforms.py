@@ -231,6 +231,25 @@ def train_tensor(
     return out.flip(-1) if hflip and rng.random() < 0.5 else out
 
 
+def train_crop_plan(
+    width: int, height: int, rng: np.random.Generator, min_scale: float = 0.08, hflip: bool = True
+) -> tuple[tuple[int, int, int, int], bool]:
+    """(crop box, flip) of `train_tensor` without RandAugment, drawn in its order from the same `rng`:
+    what a loader worker sends with a still-encoded JPEG when the training device decodes (data.decode: cuda)."""
+    box = random_resized_crop_box(width, height, rng, scale=(min_scale, 1.0))
+    return box, bool(hflip and rng.random() < 0.5)
+
+
+def crop_resize_flip(image: torch.Tensor, box: Box, flip: bool, size: int) -> torch.Tensor:
+    """uint8 [3, H, W] on any device -> the crop `box` resized to uint8 [3, size, size] (antialiased
+    bilinear, as `resized_crop`), flipped left-right if `flip`. The device side of `train_crop_plan`."""
+    left, top, right, bottom = _int_box(box, image.shape[2], image.shape[1])
+    crop = image[None, :, top:bottom, left:right].float()  # [1, 3, h, w]
+    out = F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0]
+    out = out.round_().clamp_(0, 255).to(torch.uint8)
+    return out.flip(-1) if flip else out
+
+
 def eval_tensor(img: Image.Image, size: int, crop_fraction: float = 0.875) -> torch.Tensor:
     """Resize the shorter side to size / crop_fraction and centre crop, in one resampling pass."""
     box = center_crop_box(img.width, img.height, size, crop_fraction)
@@ -238,10 +257,23 @@ def eval_tensor(img: Image.Image, size: int, crop_fraction: float = 0.875) -> to
     return resized_crop(img, box, size)
 
 
+_NORM_CONSTANTS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _norm_constants(mean, std, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean x 255, std x 255) as [1, 3, 1, 1] float32 on `device`: copied there once per process, not per
+    batch (a host-to-device copy from pageable memory blocks the host)."""
+    key = (tuple(mean), tuple(std), device)
+    if key not in _NORM_CONSTANTS:
+        m = torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1) * 255
+        s = torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1) * 255
+        _NORM_CONSTANTS[key] = (m.to(device), s.to(device))
+    return _NORM_CONSTANTS[key]
+
+
 def normalize(images: torch.Tensor, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> torch.Tensor:
     """uint8 [B, 3, H, W] on any device -> float32 normalised, on that device."""
-    m = torch.tensor(mean, device=images.device).view(1, 3, 1, 1) * 255
-    s = torch.tensor(std, device=images.device).view(1, 3, 1, 1) * 255
+    m, s = _norm_constants(mean, std, images.device)
     return (images.float() - m) / s
 
 

@@ -22,6 +22,29 @@ def init_linear_and_norm(module: nn.Module, norms: tuple[type[nn.Module], ...] =
             nn.init.zeros_(m.bias)
 
 
+def set_grad_checkpointing(model: nn.Module, enable: bool = True) -> int:
+    """Turn activation checkpointing on (or off) in every part of `model` that offers it; returns how many.
+
+    Each family marks the modules whose blocks it can recompute in backward with a `grad_checkpointing`
+    attribute (a ViT, an MAE decoder, each CvT stage, a Swin, TNT or LeViT); wrappers (MAE, masked patch
+    prediction, SimMIM) hold such modules, so the flag is set wherever it appears, not only on the top.
+    """
+    found = [m for m in model.modules() if hasattr(m, "grad_checkpointing")]
+    for m in found:
+        m.grad_checkpointing = enable
+    return len(found)
+
+
+def drop_patches(x: torch.Tensor, keep: int) -> torch.Tensor:
+    """FLIP patch dropout: a random `keep` of the N tokens of each image [B, N, D] -> [B, keep, D].
+
+    Draws from the global RNG (seeded from the config, saved in checkpoints) like stochastic depth.
+    """
+    noise = torch.rand(x.shape[0], x.shape[1], device=x.device)  # [B, N]
+    ids = noise.argsort(dim=1)[:, :keep]  # [B, keep]
+    return torch.gather(x, 1, ids[..., None].expand(-1, -1, x.shape[2]))
+
+
 def classify(model: nn.Module, x: torch.Tensor, x_dist: torch.Tensor):
     """Logits from the pooled class features `x` and distillation features `x_dist` (DeiT).
 

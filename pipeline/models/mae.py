@@ -16,6 +16,7 @@ from typing import Literal
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from pipeline.models.layers import Block
 from pipeline.models.macs import kept_patches, linear_macs
@@ -118,6 +119,7 @@ class MaskedAutoencoderViT(nn.Module):
         if not 0.0 <= mask_ratio < 1.0:
             raise ValueError(f"mask_ratio must be in [0, 1), got {mask_ratio}")
         self.mask_ratio, self.norm_pix_loss = mask_ratio, norm_pix_loss
+        self.grad_checkpointing = grad_checkpointing  # the decoder's blocks; the encoder holds its own flag
         self.patch_size, self.in_chans = patch_size, in_chans
         self.export_num_classes, self.export_head_bias_init = num_classes, head_bias_init
 
@@ -203,7 +205,11 @@ class MaskedAutoencoderViT(nn.Module):
         x_ = torch.gather(x_, 1, ids_restore[..., None].expand(-1, -1, Dd))  # unshuffle to patch order
         x = torch.cat([x[:, :1], x_], dim=1) + self.decoder_pos_embed_fixed  # [B, 1+N, Dd]
         for blk in self.decoder_blocks:
-            x = blk(x)
+            x = (
+                checkpoint(blk, x, use_reentrant=False)
+                if self.grad_checkpointing and self.training
+                else blk(x)
+            )
         x = self.decoder_pred(self.decoder_norm(x))  # [B, 1+N, p*p*C]
         return x[:, 1:]  # drop the class token
 

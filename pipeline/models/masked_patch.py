@@ -41,9 +41,9 @@ def mean_colour_classes(images: torch.Tensor, patch_size: int, num_bins: int = 8
         raise ValueError(f"mean_colour_classes expects RGB images [B, 3, H, W], got {C} channels")
     if H % p or W % p:
         raise ValueError(f"image size {H}x{W} is not a multiple of the patch size {p}")
-    # float64 sums of integer pixels are exact, so the bin edges do not depend on rounding.
-    sums = images.to(torch.float64).reshape(B, C, H // p, p, W // p, p).sum(dim=(3, 5))  # [B, 3, h, w]
-    bins = torch.floor(sums * num_bins / (p * p * 256)).long().clamp_(0, num_bins - 1)  # [B, 3, h, w]
+    # Integer sums and integer division: exact, and no float64 (slow on GPUs). floor(mean * bins / 256).
+    sums = images.to(torch.int64).reshape(B, C, H // p, p, W // p, p).sum(dim=(3, 5))  # [B, 3, h, w]
+    bins = torch.div(sums * num_bins, p * p * 256, rounding_mode="floor").clamp_(0, num_bins - 1)
     r, g, b = bins.flatten(2).unbind(1)  # [B, N] each
     return (r * num_bins + g) * num_bins + b  # [B, N], r*64 + g*8 + b for 8 bins
 
@@ -70,10 +70,13 @@ def corrupt_patches(
 
     rank = noise.argsort(dim=1).argsort(dim=1)  # [B, N], each patch's place in a random order
     corrupted = rank < int(N * corrupt_ratio)  # exactly that many per image
-    what = torch.full((B, N), CLEAN, dtype=torch.long, device=x.device)
-    what[corrupted & (choice < MASK_TOKEN_PROB)] = MASKED
-    what[corrupted & (choice >= MASK_TOKEN_PROB) & (choice < MASK_TOKEN_PROB + SWAP_PROB)] = SWAPPED
-    what[corrupted & (choice >= MASK_TOKEN_PROB + SWAP_PROB)] = KEPT
+    # torch.where, not boolean-mask assignment: that would read the mask's size to the host (a GPU sync).
+    how = torch.where(
+        choice < MASK_TOKEN_PROB,
+        MASKED,
+        torch.where(choice < MASK_TOKEN_PROB + SWAP_PROB, SWAPPED, KEPT),
+    )
+    what = torch.where(corrupted, how, CLEAN)  # [B, N] long
 
     # Skip the patch itself: uniform over the N - 1 others.
     other = other + (other >= torch.arange(N, device=x.device))  # [B, N]
@@ -137,7 +140,10 @@ class MaskedPatchPredictionViT(nn.Module):
         x = enc.norm(enc.forward_blocks(x))
         logits = self.head(x[:, enc.num_prefix_tokens :])  # [B, N, 512]
         corrupted = what != CLEAN  # [B, N]
-        loss = F.cross_entropy(logits[corrupted].float(), targets[corrupted])
+        # A weighted mean over every patch, not logits[corrupted]: boolean indexing syncs with the host.
+        per_patch = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
+        weight = corrupted.flatten().float()
+        loss = (per_patch * weight).sum() / weight.sum().clamp_min(1.0)
         return loss, logits, corrupted
 
     def forward_macs(self, img_size: int | None = None, mask_ratio: float | None = None) -> int:

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pipeline.models.hybrid import HybridEmbed
-from pipeline.models.layers import Block, PatchEmbed, classify, init_linear_and_norm
+from pipeline.models.layers import Block, PatchEmbed, classify, drop_patches, init_linear_and_norm
 from pipeline.models.macs import heads_macs, kept_patches
 from pipeline.models.pos_embed import POS_EMBED_KINDS, resample_abs_pos_embed, sincos_2d
 from pipeline.models.registry import register
@@ -58,6 +58,7 @@ class VisionTransformer(nn.Module):
         init_values: float | None = None,
         head_bias_init: float = 0.0,
         grad_checkpointing: bool = False,
+        patch_dropout: float = 0.0,
     ):
         super().__init__()
         if pool not in ("cls", "gap"):
@@ -66,7 +67,15 @@ class VisionTransformer(nn.Module):
             raise ValueError(f"pos_embed must be one of {POS_EMBED_KINDS}, got {pos_embed!r}")
         if distilled and pool != "cls":
             raise ValueError("distilled=True needs pool='cls' (DeiT reads the class and distillation tokens)")
+        if not 0.0 <= patch_dropout < 1.0:
+            raise ValueError(f"patch_dropout must be in [0, 1), got {patch_dropout}")
+        if patch_dropout and pos_embed == "relative":
+            raise ValueError(
+                "patch_dropout cannot use pos_embed='relative': the per-offset bias table is built for the "
+                "full grid, and dropped patches break it; use 'learned', 'learned_2d' or 'sincos2d'"
+            )
         self.pool, self.pos_embed_kind, self.distilled = pool, pos_embed, distilled
+        self.patch_dropout = patch_dropout  # training only: the fraction of patch tokens dropped (FLIP)
         self.num_classes, self.embed_dim, self.depth = num_classes, embed_dim, depth
         self.grad_checkpointing = grad_checkpointing
         self.distilled_training = False  # set by the distillation objective: forward returns both heads
@@ -179,6 +188,8 @@ class VisionTransformer(nn.Module):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         x = self.embed_patches(x)  # [B, N, D]
+        if self.patch_dropout and self.training:  # position is added already: kept tokens keep theirs
+            x = drop_patches(x, kept_patches(x.shape[1], self.patch_dropout))  # [B, N_keep, D]
         prefix = self.prefix_tokens(x.shape[0])
         if prefix is not None:
             x = torch.cat([prefix, x], dim=1)  # [B, P+N, D]
@@ -210,7 +221,8 @@ class VisionTransformer(nn.Module):
         return macs + sum(blk.forward_macs(tokens) for blk in self.blocks), n
 
     def forward_macs(self, img_size: int | None = None, mask_ratio: float | None = None) -> int:
-        """Forward multiply-accumulates for one image; a `mask_ratio` runs the blocks on the kept tokens only.
+        """Forward multiply-accumulates for one image; a `mask_ratio` runs the blocks on the kept tokens only
+        (pass `patch_dropout` to count a training step under patch dropout).
 
         Counted: the patch embedding (or the hybrid ResNet and its 1x1 projection), qkv and proj, QK^T and
         AV, the MLPs and the heads, one pooled vector each.

@@ -1,7 +1,17 @@
 """The one place DeepSpeed appears: our config -> a DeepSpeed config -> an engine.
 
 On CPU DeepSpeed needs `DS_ACCELERATOR=cpu` before it is imported, the gloo backend, and torch's
-AdamW (`torch_adam`), since FusedAdam needs CUDA; on GPU the fused AdamW is used.
+AdamW (`torch_adam`), since FusedAdam needs CUDA; on GPU torch's fused AdamW kernel is used.
+
+GPU defaults (`deepspeed_config`, `build_engine`):
+- precision bf16 (the config resolves `deepspeed.precision: null` to bf16 with `cluster.use_gpu`), and TF32
+  for the matmuls and convolutions that stay fp32 (`deepspeed.tf32`);
+- gradients reduced across ranks in fp32 under bf16 and fp16 (`communication_data_type`): a bf16
+  all-reduce or reduce-scatter sums N ranks' gradients with 8 mantissa bits, the error torchtitan and
+  FSDP's `reduce_dtype=float32` avoid; it doubles the reduction's bytes, which `overlap_comm` hides
+  behind the backward pass (on for ZeRO 1-3);
+- `model.compile` wraps the module in torch.compile inside the engine (`engine.compile()`), for every
+  ZeRO stage.
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.config import StageConfig
+from pipeline.models.layers import set_grad_checkpointing
 from pipeline.models.param_groups import param_groups
 
 
@@ -102,15 +113,24 @@ def deepspeed_config(cfg: StageConfig, world_size: int, use_gpu: bool, num_param
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": use_gpu}
     if ds.offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": use_gpu}
+    if ds.zero_stage > 0:
+        # Reduce gradients bucket by bucket while the backward pass still runs (ZeRO-3 does by default;
+        # ZeRO-1/2 do not unless asked), from contiguous buffers.
+        zero.update(overlap_comm=True, contiguous_gradients=True)
+    half = ds.precision in ("bf16", "fp16")
     return {
         "train_micro_batch_size_per_gpu": cfg.data.batch_size,
+        # Gradients summed over ranks in fp32 (see the module docstring); the default is the model's dtype.
+        **({"communication_data_type": "fp32"} if half else {}),
         "gradient_accumulation_steps": ds.grad_accum,
         "train_batch_size": cfg.data.batch_size * ds.grad_accum * world_size,
         "gradient_clipping": cfg.optim.grad_clip,
         "zero_optimization": zero,
         # Offloading keeps torch's AdamW (DeepSpeedCPUAdam would need a C++ op build on every machine).
         **({"zero_force_ds_cpu_optimizer": False} if ds.offload_optimizer or ds.offload_params else {}),
-        "bf16": {"enabled": ds.precision == "bf16"},
+        # bf16 has fp32's exponent range: no loss scale, so no overflow to check. DeepSpeed's check reads
+        # every gradient's finiteness to the host (one GPU sync per parameter tensor under ZeRO-0).
+        "bf16": {"enabled": ds.precision == "bf16", "check_grad_overflow": False},
         "fp16": {"enabled": ds.precision == "fp16", "initial_scale_power": 16},
         "optimizer": {
             "type": "AdamW",
@@ -145,8 +165,14 @@ def build_engine(model: nn.Module, cfg: StageConfig, ctx: DistContext):
     use_gpu = ctx.device.type == "cuda"
     o = cfg.optim
 
-    if cfg.deepspeed.activation_checkpointing and hasattr(model, "grad_checkpointing"):
-        model.grad_checkpointing = True
+    if use_gpu:  # fp32 matmuls (and convolutions) on TF32 tensor cores, or exact fp32
+        torch.set_float32_matmul_precision("high" if cfg.deepspeed.tf32 else "highest")
+        torch.backends.cudnn.allow_tf32 = cfg.deepspeed.tf32
+    if cfg.deepspeed.activation_checkpointing and not set_grad_checkpointing(model):
+        raise ValueError(
+            f"deepspeed.activation_checkpointing: {cfg.model.name} ({type(model).__name__}) has no block "
+            "that can recompute its activations"
+        )
     groups = param_groups(model, o.weight_decay, o.layer_decay)
     base_lr = scaled_lr(cfg, ctx.world_size)
     for g in groups:
@@ -164,6 +190,10 @@ def build_engine(model: nn.Module, cfg: StageConfig, ctx: DistContext):
         lr_scheduler=scheduler,
         dist_init_required=False,
     )
+    if cfg.model.compile:
+        # nn.Module.compile in place: the engine's hooks (ZeRO-3 parameter gathering) stay outside the
+        # compiled graph; objectives call the engine as before.
+        engine.compile()
     return engine, optimizer, lr_scheduler
 
 

@@ -3,6 +3,9 @@
 Sections in order: distributed set-up, model and objective, engine, resume, input, tracking, the
 loop (step, log, checkpoint, stop requests), final checkpoint and export.
 
+A step makes no host sync: the loss is read, metrics logged and stop requests agreed only every
+`tracking.log_every` steps (tests/test_host_sync.py counts every tensor-to-host read of a run).
+
 Exactness: a stage stopped after step N and resumed gives the same per-step losses and final weights
 as an uninterrupted one (CPU, fp32): the checkpoint holds model, optimizer, scheduler, step, every
 rank's RNG states, and the data stream continues at batch N x grad_accum (see pipeline.data.train_stream).
@@ -25,8 +28,10 @@ import torch.distributed as dist
 
 from data_prep.storage import Store, child
 from pipeline.config import StageConfig
+from pipeline.data.device import batch_to_device
 from pipeline.data.loader import make_train_loader
 from pipeline.data.sources import dataset_info
+from pipeline.hardware import peak_flops
 from pipeline.models import create_model
 from pipeline.models.flops import estimate_mfu, flops_per_image
 from pipeline.objectives import build_objective
@@ -68,7 +73,8 @@ def step_seed(seed: int, step: int, micro: int, rank: int) -> int:
 class StopRequest:
     """SIGTERM, or a STOP file in the run directory, asks the loop to checkpoint and stop.
 
-    The loop checks at every step boundary and all ranks agree before acting. The file serves where
+    The loop checks at every log step (`tracking.log_every`: no collective between them) and all ranks
+    agree before acting. The file serves where
     no signal reaches the loop: Ray Train runs it in a worker thread, so a job driver that receives
     `ray job stop`'s SIGTERM writes RUN_DIR/STOP instead.
     """
@@ -93,24 +99,43 @@ class StopRequest:
             signal.signal(signal.SIGTERM, self._previous)
 
 
-def train_step(engine, objective, batches, device: torch.device, seed: int, step: int, accum: int, rank: int):
-    """One optimizer step: `accum` micro-batches through the objective and the engine (no host sync)."""
+def train_step(
+    engine, objective, batches, to_device: Callable[[dict], dict], seed: int, step: int, accum: int, rank: int
+):
+    """One optimizer step: `accum` micro-batches through the objective and the engine, with no host sync
+    (tests/test_host_sync.py counts). Returns (loss, metrics, last batch, seconds spent waiting for data)."""
+    waited = 0.0
     for micro in range(accum):
-        batch = {
-            k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in next(batches).items()
-        }
+        t = time.perf_counter()
+        raw = next(batches)
+        waited += time.perf_counter() - t
+        batch = to_device(raw)
         batch["seed"] = step_seed(seed, step, micro, rank)
         loss, metrics = objective.loss(engine, batch)
         engine.backward(loss)
         engine.step()
-    return loss, metrics, batch
+    return loss, metrics, batch, waited
 
 
 def _flops_per_image(model) -> int | None:
+    """Forward FLOPs of one training image: under patch dropout the blocks see the kept tokens only."""
     try:
-        return int(flops_per_image(model))
+        return int(flops_per_image(model, mask_ratio=getattr(model, "patch_dropout", 0.0) or None))
     except (TypeError, ValueError, NotImplementedError):
         return None
+
+
+def _peak_flops(cfg: StageConfig, device: torch.device) -> float | None:
+    """The MFU denominator per device: tracking.peak_tflops, else the table's peak for this GPU and precision."""
+    if cfg.tracking.peak_tflops:
+        return cfg.tracking.peak_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    peak = peak_flops(name, cfg.deepspeed.precision, tf32=cfg.deepspeed.tf32)
+    if peak is None:
+        log.warning("no peak FLOP/s known for %r: set tracking.peak_tflops to log MFU", name)
+    return peak
 
 
 def train(
@@ -148,8 +173,11 @@ def train(
         local_rank=ctx.local_rank,
     )
 
+    ckpt_seconds = [0.0]  # spent saving since the last log step: images/s leaves it out
+
     def save(step: int) -> Path:
-        return checkpoint.save(
+        t = time.perf_counter()
+        path = checkpoint.save(
             engine,
             ckpt_dir,
             step,
@@ -159,6 +187,8 @@ def train(
             group=ctx.control_group,
             store=store,
         )
+        ckpt_seconds[0] += time.perf_counter() - t
+        return path
 
     start = restored.step if restored else 0
     accum = cfg.deepspeed.grad_accum
@@ -176,12 +206,18 @@ def train(
     )
 
     # -- tracking (rank 0 only): a resumed stage continues its MLflow run
+    peak = _peak_flops(cfg, ctx.device)
+    # Training = 3 x forward (model FLOPs, MFU); activation checkpointing runs the forward again (hardware).
+    recompute = 1 if cfg.deepspeed.activation_checkpointing else 0
     derived = {
         "derived.global_batch": global_batch,
         "derived.lr": scaled_lr(cfg, ctx.world_size),
         "derived.num_params": num_params,
         "derived.flops_per_image": flops_img,
+        "derived.precision": cfg.deepspeed.precision,
+        "derived.peak_tflops_per_device": None if peak is None else peak / 1e12,
     }
+    to_device = batch_to_device(ctx.device, cfg.data, cfg.model.img_size)
     stop = StopRequest(run_path / STOP_FILE)
     stop.stop_file.unlink(missing_ok=True)  # a stop request belongs to the run it stopped
     with stage.tracking({"objective": cfg.objective.name}, parent_run_id, params=derived) as tracker:
@@ -202,17 +238,20 @@ def train(
         losses: list[float] = []
         last_loss = float("nan")
         t0 = t_log = t_print = time.perf_counter()
-        steps_since_log, last_printed = 0, None
-        stopped_early = False
+        steps_since_log, last_printed, data_wait = 0, None, 0.0
+        stopped_early = interrupted = False
         for step in range(start, cfg.optim.steps):
             _maybe_kill(cfg, ctx.rank, step + 1, run_path)
-            loss, metrics, batch = train_step(
-                engine, objective, batches, ctx.device, cfg.seed, step, accum, ctx.rank
+            loss, metrics, batch, waited = train_step(
+                engine, objective, batches, to_device, cfg.seed, step, accum, ctx.rank
             )
             done = step + 1
             steps_since_log += 1
-            if done % cfg.tracking.log_every == 0 or done == cfg.optim.steps:
-                # The only host sync: at log steps. Loss and skipped samples summed over ranks in one call.
+            data_wait += waited
+            log_step = done % cfg.tracking.log_every == 0 or done == cfg.optim.steps
+            if log_step:
+                # The only host syncs, every log_every steps: the loss and skipped samples summed over ranks
+                # in one call, the metrics read, and the ranks agree on stop requests (a CPU flag).
                 packed = torch.stack(
                     [loss.detach().float(), torch.tensor(float(batch["skipped"]), device=ctx.device)]
                 )
@@ -220,12 +259,16 @@ def train(
                 last_loss = packed[0].item() / ctx.world_size
                 losses.append(last_loss)
                 now = time.perf_counter()
-                images_per_s = steps_since_log * global_batch / max(now - t_log, 1e-9)
+                elapsed = now - t_log
+                training_s = max(elapsed - ckpt_seconds[0], 1e-9)  # checkpoint saves left out
+                images_per_s = steps_since_log * global_batch / training_s
                 values = {
                     "train/loss": last_loss,  # mean over ranks
                     "train/lr": lr_scheduler.get_last_lr()[0],
                     "train/images_per_s": images_per_s,
                     "data/skipped_samples": packed[1].item(),
+                    # rank 0's time blocked on its loader, as a fraction of the interval's training time
+                    "data/wait_fraction": min(1.0, data_wait / training_s),
                     **{f"train/{k}": v.item() for k, v in metrics.items()},
                 }
                 gnorm = engine.get_global_grad_norm()
@@ -233,11 +276,14 @@ def train(
                     values["train/grad_norm"] = float(gnorm)
                 if flops_img:
                     per_device = images_per_s / ctx.world_size
-                    step_flops = 3 * flops_img  # training = 3x forward (flops_per_train_step)
-                    values["perf/tflops_per_device"] = step_flops * per_device / 1e12
-                    values["perf/mfu"] = estimate_mfu(step_flops, per_device, cfg.tracking.peak_tflops * 1e12)
+                    model_flops = 3 * flops_img  # training = 3x forward (flops_per_train_step)
+                    values["perf/tflops_per_device"] = model_flops * per_device / 1e12
+                    if peak:
+                        values["perf/mfu"] = estimate_mfu(model_flops, per_device, peak)
+                        hardware_flops = (3 + recompute) * flops_img
+                        values["perf/hfu"] = estimate_mfu(hardware_flops, per_device, peak)
                 tracker.log_metrics(values, step=done)
-                t_log, steps_since_log = now, 0
+                t_log, steps_since_log, data_wait, ckpt_seconds[0] = now, 0, 0.0, 0.0
                 if ctx.is_main and progress_due(done, cfg.optim.steps, last_printed, now - t_print):
                     last_printed, t_print = done, now
                     rate = (done - start) / (now - t0)
@@ -246,7 +292,8 @@ def train(
                         f"step {done}/{cfg.optim.steps} loss {last_loss:.4f} {rate:.2f} steps/s eta {eta:.0f}s",
                         flush=True,
                     )
-            interrupted = not checkpoint.all_agree(not stop.requested, ctx.control_group)
+            if log_step:  # a stop request waits for the next log step: no collective in between
+                interrupted = not checkpoint.all_agree(not stop.requested, ctx.control_group)
             if interrupted or done == cfg.debug.stop_at_step:
                 save(done)
                 tracker.status = "KILLED"

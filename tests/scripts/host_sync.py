@@ -1,0 +1,91 @@
+"""Run under torchrun (2 ranks): one training stage with every tensor-to-host read counted, per step.
+
+    torchrun --nproc-per-node 2 tests/scripts/host_sync.py OUT_JSON DATA_DIR RUN_DIR [OVERRIDES...]
+
+A read is any call of Tensor.item, .tolist, .cpu, .numpy, or a conversion to bool, int, float or an
+index, made in this process by any code (ours, DeepSpeed's, torch's Python): on a GPU each one waits
+for the device. The loader runs in worker processes (data.num_workers=1), so its own reads are not
+counted. Rank 0 writes {"log_every": N, "steps": [[step, reads in the step, reads after it], ...],
+"where": {step: [call sites]}}, "reads after" counting from the end of a step to the start of the next.
+"""
+
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+from pipeline.config import load_config
+from pipeline.train import loop
+from pipeline.train.engine import shutdown_distributed
+
+SMOKE = Path(__file__).parents[2] / "configs/experiments/smoke.yaml"
+READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.reads = 0
+        self.sites: list[str] = []
+
+    def wrap(self, name: str):
+        original = getattr(torch.Tensor, name)
+
+        def counted(tensor, *args, **kwargs):
+            self.reads += 1
+            frame = traceback.extract_stack(limit=2)[0]
+            self.sites.append(f"{name} at {frame.filename}:{frame.lineno}")
+            return original(tensor, *args, **kwargs)
+
+        setattr(torch.Tensor, name, counted)
+
+
+def main() -> None:
+    out, data, run_dir, extra = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4:]
+    cfg = load_config(
+        SMOKE,
+        [
+            f"run_dir={run_dir}",
+            f"data.train={data}",
+            "cluster.launcher=local",
+            "optim.steps=12",
+            "optim.warmup_steps=2",
+            "data.num_workers=1",
+            "tracking.system_metrics=false",
+            "tracking.log_every=5",
+            "model.overrides.drop_path_rate=0.1",
+            *extra,
+        ],
+    )
+    counter = Counter()
+    steps: list[list[int]] = []
+    where: dict[int, list[str]] = {}
+    step_fn = loop.train_step
+    last_end = [None]
+
+    def counted_step(engine, objective, batches, to_device, seed, step, accum, rank):
+        if last_end[0] is not None:  # the reads of the loop body after the previous step
+            steps[-1][2] = counter.reads - last_end[0]
+        before = len(counter.sites)
+        start = counter.reads
+        result = step_fn(engine, objective, batches, to_device, seed, step, accum, rank)
+        steps.append([step + 1, counter.reads - start, 0])
+        last_end[0] = counter.reads
+        if counter.reads > start:
+            where[step + 1] = counter.sites[before:]
+        return result
+
+    loop.train_step = counted_step
+    for name in READS:
+        counter.wrap(name)
+    loop.train(cfg)
+    if last_end[0] is not None:
+        steps[-1][2] = counter.reads - last_end[0]
+    if torch.distributed.get_rank() == 0:
+        out.write_text(json.dumps({"log_every": cfg.tracking.log_every, "steps": steps, "where": where}))
+
+
+if __name__ == "__main__":
+    main()
+    shutdown_distributed()  # else gloo's threads may abort this rank's exit
