@@ -23,12 +23,14 @@ import json
 from collections import Counter
 
 import pytest
-
 from conftest import torchrun  # shared with the other torchrun tests
 
 # library file -> (most reads per step, the last step where any is allowed or None for every step)
 ALLOWED = {
-    "deepspeed/runtime/utils.py": (3, None),  # is_invalid_grad_norm: the norm checks (fp32: one more) and the clip
+    "deepspeed/runtime/utils.py": (
+        3,
+        None,
+    ),  # is_invalid_grad_norm: the norm checks (fp32: one more) and the clip
     "torch/optim/optimizer.py": (2, None),  # _get_value(step) per parameter group, CPU AdamW only
     "deepspeed/runtime/zero/utils.py": (None, 2),  # ZeRO-3's trace check while the trace is recorded
 }

@@ -55,6 +55,7 @@ def test_thin_run_on_two_ray_workers(ray_cluster, tmp_path):
         "optim.lr=0.05",
         "cluster.num_workers=2",
         "deepspeed.zero_stage=2",
+        "tracking.peak_tflops=0.5",  # a CPU has no entry in the peak table: MFU only with an override
     )
 
     # The data: real tar shards with a manifest, written before training.
@@ -68,7 +69,14 @@ def test_thin_run_on_two_ray_workers(ray_cluster, tmp_path):
     assert params["optim.steps"] == str(steps) and params["deepspeed.zero_stage"] == "2"
     assert params["model.name"] == "vit_debug" and params["derived.global_batch"] == "32"
     assert run.data.tags["world_size"] == "2"
-    # One loss per step, and the loss fell.
+    # Throughput and utilisation against the configured peak; model FLOPs = hardware FLOPs without
+    # activation checkpointing; the loader wait is a fraction of the step time.
+    metrics = run.data.metrics
+    assert params["derived.peak_tflops_per_device"] == "0.5" and params["derived.precision"] == "fp32"
+    assert metrics["perf/mfu"] == pytest.approx(metrics["perf/tflops_per_device"] / 0.5)
+    assert metrics["perf/hfu"] == pytest.approx(metrics["perf/mfu"])
+    assert 0.0 <= metrics["data/wait_fraction"] <= 1.0
+    # One loss per step (smoke.yaml logs every step), and the loss fell.
     assert [m.step for m in history] == list(range(1, steps + 1))
     assert_loss_fell([m.value for m in history], "thin run")
     # A DeepSpeed checkpoint with files written by both ranks, and the resolved config.

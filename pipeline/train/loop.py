@@ -306,6 +306,7 @@ def train(
                 # A signal ends the process (torchrun, a scheduler); a STOP file ends the stage cleanly (Ray).
                 if interrupted and not checkpoint.all_agree(not stop.signalled, ctx.control_group):
                     stop.restore()
+                    _shutdown_loader(batches)
                     raise SystemExit(128 + signal.SIGTERM)
                 break
             if (
@@ -315,6 +316,7 @@ def train(
             ):
                 save(done)
         stop.restore()
+        _shutdown_loader(batches)
 
         # -- final checkpoint and consolidated export
         export_path = None
@@ -343,6 +345,14 @@ def train(
             )  # every rank
     dist.barrier()
     return result
+
+
+def _shutdown_loader(batches) -> None:
+    """Stop the loader's worker processes now. Left to garbage collection, a persistent worker can outlive
+    the stage: with torch.compile the exiting rank waited on its worker forever (seen on CPU, 2 ranks)."""
+    shutdown = getattr(batches, "_shutdown_workers", None)  # DataLoader's multi-process iterator
+    if shutdown is not None:
+        shutdown()
 
 
 def _maybe_kill(cfg: StageConfig, rank: int, step: int, run_path: Path) -> None:

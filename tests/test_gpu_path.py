@@ -1,0 +1,296 @@
+"""The GPU training path, checked on the CPU as far as it goes: activation checkpointing in every family,
+patch dropout and its FLOPs, the precision and decode settings, the MFU peak table, and the CUDA-decode
+data path run with a PIL decoder standing in for nvJPEG (the real decoder needs a GPU: bench/gpu.py).
+
+    .venv/bin/python -m pytest tests/test_gpu_path.py -q
+"""
+
+import io
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import history, torchrun  # shared with the other torchrun tests
+from PIL import Image
+
+from data_prep.shard_file import Sample
+from data_prep.synthetic import class_names, synthetic_samples
+from data_prep.writer import write_dataset
+from pipeline.config import ConfigError, DataConfig, load_config, validate_config
+from pipeline.data.device import DeviceDecode, pil_decoder
+from pipeline.data.loader import make_train_loader
+from pipeline.data.sources import dataset_info
+from pipeline.hardware import peak_flops
+from pipeline.models import create_model
+from pipeline.models.flops import flops_per_image
+from pipeline.models.layers import set_grad_checkpointing
+from pipeline.train.loop import _flops_per_image
+
+pytestmark = pytest.mark.unit
+
+# ---------------------------------------------------------------------- activation checkpointing
+
+FAMILIES = {  # model -> how its training forward is called
+    "vit_debug": "classify",
+    "cvt_debug": "classify",
+    "swin_debug": "classify",
+    "tnt_debug": "classify",
+    "levit_debug": "classify",
+    "mae_vit_debug": "masked",
+    "mpp_vit_debug": "mpp",
+    "simmim_swin_debug": "masked",
+    "simmim_cvt_debug": "masked",
+    "simmim_tnt_debug": "masked",
+}
+
+
+def _loss(model, kind: str, images: torch.Tensor) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    if kind == "classify":
+        return model(images).float().pow(2).mean()
+    if kind == "mpp":
+        targets = torch.randint(0, 512, (images.shape[0], model.encoder.patch_embed.num_patches), generator=g)
+        return model(images, targets, generator=g)[0]
+    return model(images, generator=g)[0]
+
+
+def _linear_calls_in_backward(model, kind: str, images: torch.Tensor) -> tuple[int, dict]:
+    """(Linear forwards that ran during backward, the gradients)."""
+    calls = {"n": 0}
+    hooks = [
+        m.register_forward_hook(lambda *_: calls.__setitem__("n", calls["n"] + 1))
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear)
+    ]
+    torch.manual_seed(1)
+    loss = _loss(model, kind, images)
+    before = calls["n"]
+    loss.backward()
+    for h in hooks:
+        h.remove()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return calls["n"] - before, grads
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_activation_checkpointing_reaches_every_family(name):
+    """The flag reaches the blocks inside wrappers (MAE, masked patch prediction, SimMIM) and CvT's stages:
+    backward recomputes the forward, and the gradients do not change."""
+    torch.manual_seed(0)
+    model = create_model(name).train()
+    images = torch.randn(2, 3, 32, 32)
+    recomputed, plain = _linear_calls_in_backward(model, FAMILIES[name], images)
+    assert recomputed == 0
+    assert set_grad_checkpointing(model) > 0
+    recomputed, checkpointed = _linear_calls_in_backward(model, FAMILIES[name], images)
+    assert recomputed > 0, f"{name}: activation checkpointing recomputed nothing in backward"
+    assert plain.keys() == checkpointed.keys()
+    for k in plain:
+        torch.testing.assert_close(checkpointed[k], plain[k], rtol=1e-4, atol=1e-6, msg=f"{name}: {k}")
+
+
+def test_a_model_without_checkpointable_blocks_is_named():
+    assert set_grad_checkpointing(torch.nn.Linear(2, 2)) == 0
+
+
+# ---------------------------------------------------------------------- patch dropout
+
+
+def test_patch_dropout_keeps_a_random_subset_in_training_only():
+    torch.manual_seed(0)
+    model = create_model("vit_debug", num_classes=4, patch_dropout=0.5)  # 16 patches, keeps 8
+    seen = []
+    model.blocks[0].register_forward_hook(lambda m, args, out: seen.append(args[0].shape[1]))
+    x = torch.randn(3, 3, 32, 32)
+    model.train()(x)
+    model.eval()(x)
+    assert seen == [1 + 8, 1 + 16]  # class token + kept patches in training; everything at eval
+    torch.manual_seed(1)
+    a = model.train().forward_features(x)
+    torch.manual_seed(2)
+    b = model.forward_features(x)
+    assert not torch.equal(a, b), "another draw keeps other patches"
+
+
+def test_patch_dropout_flops_count_the_kept_tokens():
+    full = flops_per_image("vit_b16")
+    model = create_model("vit_b16", patch_dropout=0.5).to("meta")
+    half = _flops_per_image(model)
+    assert half == flops_per_image("vit_b16", mask_ratio=0.5)
+    assert 0.45 * full < half < 0.55 * full  # the blocks see half the tokens; the embedding sees all
+
+
+def _stage(**sections) -> dict:
+    return {"name": "t", "data": {"train": "/nonexistent"}, **sections}
+
+
+def _load(tmp_path: Path, **sections):
+    """A stage file through load_config, which also builds the model on the meta device."""
+    path = tmp_path / "stage.yaml"
+    path.write_text(yaml.safe_dump(_stage(**sections)))
+    return load_config(path)
+
+
+def test_patch_dropout_config_errors_name_the_setting(tmp_path):
+    with pytest.raises(ConfigError, match="model.patch_dropout.*supervised"):
+        validate_config(
+            _stage(model={"name": "mae_vit_debug", "patch_dropout": 0.5}, objective={"name": "mae"})
+        )
+    with pytest.raises(ConfigError, match="model.patch_dropout: swin_debug has no patch dropout"):
+        _load(tmp_path, model={"name": "swin_debug", "patch_dropout": 0.5})
+    with pytest.raises(ConfigError, match="relative"):
+        _load(
+            tmp_path,
+            model={"name": "vit_debug", "patch_dropout": 0.5, "overrides": {"pos_embed": "relative"}},
+        )
+    assert _load(tmp_path, model={"name": "vit_debug", "patch_dropout": 0.5}).model.patch_dropout == 0.5
+
+
+# ---------------------------------------------------------------------- precision, decode, peaks
+
+
+def test_precision_defaults_to_bf16_on_gpu_and_fp32_on_cpu():
+    assert validate_config(_stage()).deepspeed.precision == "fp32"
+    gpu = validate_config(_stage(cluster={"use_gpu": True}))
+    assert gpu.deepspeed.precision == "bf16" and gpu.deepspeed.tf32
+    assert (
+        validate_config(
+            _stage(cluster={"use_gpu": True}, deepspeed={"precision": "fp32"})
+        ).deepspeed.precision
+        == "fp32"
+    )
+    assert validate_config(_stage()).tracking.log_every == 20
+
+
+def test_cuda_decode_needs_a_gpu_and_no_randaugment():
+    with pytest.raises(ConfigError, match="data.decode: cuda .* cluster.use_gpu"):
+        validate_config(_stage(data={"train": "/x", "decode": "cuda"}))
+    with pytest.raises(ConfigError, match="RandAugment"):
+        validate_config(
+            _stage(data={"train": "/x", "decode": "cuda", "randaugment": [2, 9]}, cluster={"use_gpu": True})
+        )
+
+
+@pytest.mark.parametrize(
+    "name, precision, tf32, tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", True, 989),
+        ("NVIDIA H200", "bf16", True, 989),
+        ("NVIDIA GH200 480GB", "fp16", True, 989),
+        ("NVIDIA H100 PCIe", "bf16", True, 756),
+        ("NVIDIA H100 NVL", "bf16", True, 835.5),
+        ("NVIDIA A100-SXM4-80GB", "bf16", True, 312),
+        ("NVIDIA A100 80GB PCIe", "fp32", True, 156),
+        ("NVIDIA A100-SXM4-40GB", "fp32", False, 19.5),
+        ("NVIDIA L40S", "bf16", True, 362),
+        ("NVIDIA L4", "bf16", True, 121),
+        ("NVIDIA H100 80GB HBM3", "fp32", True, 494.7),
+    ],
+)
+def test_peak_table_by_device_name_and_precision(name, precision, tf32, tflops):
+    assert peak_flops(name, precision, tf32) == pytest.approx(tflops * 1e12)
+
+
+def test_unknown_devices_have_no_peak():
+    assert peak_flops("cpu", "fp32") is None
+    assert peak_flops("Some Accelerator 9000", "bf16") is None
+
+
+# ---------------------------------------------------------------------- the CUDA-decode data path
+
+
+def _dataset(root: Path) -> Path:
+    """24 JPEGs and, in the last shard, a PNG and a JPEG whose body is cut short (its header reads)."""
+    samples = list(synthetic_samples(24, 4, seed=3, width=64, height=48))
+    png = io.BytesIO()
+    Image.new("RGB", (40, 40), (200, 30, 30)).save(png, format="PNG")
+    cut = samples[0].image[: len(samples[0].image) // 2]
+    samples += [
+        Sample("png_0", png.getvalue(), "png", [1], 40, 40),
+        Sample("cut_0", cut, "jpg", [2], 64, 48),
+    ]
+    write_dataset(root, samples, class_names(4), multi_label=True, max_count=13)
+    return root
+
+
+def _batches(root: Path, decode: str, n: int) -> list[dict]:
+    info = dataset_info(root, "train")
+    data = DataConfig(train="-", batch_size=13, num_workers=0, shuffle_buffer=0, min_scale=0.3, decode=decode)
+    loader = make_train_loader(info, data, rank=0, world_size=1, img_size=32, seed=5)
+    it = iter(loader)
+    return [next(it) for _ in range(n)]
+
+
+def test_cuda_decode_path_matches_the_cpu_path(tmp_path):
+    """The workers draw the same crop and flip for a JPEG they leave encoded; decoded and cropped on the
+    device (here the CPU with PIL in nvJPEG's place) it matches the CPU path's image within resampling
+    noise, far closer than its mirror image. Other formats come decoded; a JPEG that fails to decode on
+    the device is replaced by another image of the batch and counted as skipped."""
+    root = _dataset(tmp_path / "data")
+    cpu_images, cpu_targets = {}, {}
+    for b in _batches(root, "cpu", 2):
+        for i, key in enumerate(b["key"]):
+            cpu_images.setdefault(key, b["image"][i].float())
+            cpu_targets.setdefault(key, b["target"][i])
+    encoded = _batches(root, "cuda", 2)
+    to_device = DeviceDecode(torch.device("cpu"), 32, pil_decoder(torch.device("cpu")))
+    checked = 0
+    for b_enc in encoded:
+        assert {"jpeg_data", "jpeg_offsets", "box", "flip"} <= b_enc.keys()
+        keys = b_enc["key"]
+        sizes = (b_enc["jpeg_offsets"][1:] - b_enc["jpeg_offsets"][:-1]).tolist()
+        for key, size in zip(keys, sizes):
+            assert (size == 0) == (key == "png_0"), f"{key}: only the PNG is decoded in the worker"
+        dev = to_device(b_enc)
+        assert dev["image"].shape == (13, 3, 32, 32) and dev["image"].dtype == torch.uint8
+        for i, key in enumerate(keys):
+            if key == "cut_0" or key not in cpu_images:
+                continue
+            a, b = dev["image"][i].float(), cpu_images[key]
+            same = (a - b).abs().mean().item()
+            mirrored = (a - b.flip(-1)).abs().mean().item()
+            assert same < 2, f"{key}: mean abs difference {same:.1f} from the CPU path"
+            assert same < mirrored or same == 0, (
+                f"{key}: closer to the mirrored image ({same:.1f} vs {mirrored:.1f})"
+            )
+            assert torch.equal(dev["target"][i], cpu_targets[key]), key
+            checked += 1
+    assert checked >= 20
+    cut_batches = [b for b in encoded if "cut_0" in b["key"]]
+    assert cut_batches, "the cut JPEG reached a batch with its header read"
+    assert to_device.failed == 1
+
+
+# ---------------------------------------------------------------------- torch.compile in the engine
+
+SMOKE = Path(__file__).parents[1] / "configs/experiments/smoke.yaml"
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_compiled_model_trains_like_eager_under_zero3(smoke_dataset, tmp_path):
+    """model.compile: true runs the model under torch.compile inside the DeepSpeed engine (2 ranks, ZeRO-3,
+    activation checkpointing): the same losses as eager, to float tolerance (inductor fuses differently)."""
+    losses = {}
+    for mode in ("eager", "compiled"):
+        run_dir = tmp_path / mode
+        torchrun(
+            "-m",
+            "pipeline.train.launch",
+            str(SMOKE),
+            f"run_dir={run_dir}",
+            f"data.train={smoke_dataset}",
+            "cluster.launcher=local",
+            "deepspeed.zero_stage=3",
+            "deepspeed.activation_checkpointing=true",
+            f"model.compile={mode == 'compiled'}",
+            "optim.steps=6",
+            "data.num_workers=1",
+            "tracking.system_metrics=false",
+            "checkpoint.export=false",
+        )
+        losses[mode] = [v for _, v in history(run_dir)]
+    assert len(losses["eager"]) == 6
+    assert losses["compiled"] == pytest.approx(losses["eager"], rel=1e-4, abs=1e-5)
