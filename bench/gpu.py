@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -63,15 +64,19 @@ def _free_port() -> int:
 
 
 def _stage_config(
-    model: str, zero: int, ckpt: bool, objective: str, batch: int, img: int, gpu: bool, **extra
+    model_name: str, zero: int, ckpt: bool, objective: str, batch: int, img: int, gpu: bool, **extra
 ):
+    """A stage config for one case. `data.decode: cuda` on CPU (the dry run) is set after validation,
+    which refuses it without a GPU: the dry run feeds the same path a PIL decoder instead of nvJPEG."""
     from pipeline.config import validate_config
 
-    return validate_config(
+    data = dict(extra.pop("data", {}))
+    decode = data.pop("decode", "cpu")
+    cfg = validate_config(
         {
             "name": "bench",
-            "data": {"train": "unused", "batch_size": batch, **extra.pop("data", {})},
-            "model": {"name": model, "img_size": img, "num_classes": CLASSES, **extra.pop("model", {})},
+            "data": {"train": "unused", "batch_size": batch, "decode": decode if gpu else "cpu", **data},
+            "model": {"name": model_name, "img_size": img, "num_classes": CLASSES, **extra.pop("model", {})},
             "objective": {"name": objective},
             "optim": {"steps": 100_000, "warmup_steps": 0},
             "deepspeed": {"zero_stage": zero, "activation_checkpointing": ckpt},
@@ -79,6 +84,8 @@ def _stage_config(
             **extra,
         }
     )
+    cfg.data.decode = decode
+    return cfg
 
 
 # ---------------------------------------------------------------------- one case, in its own process
@@ -132,15 +139,20 @@ def run_training(spec: tuple, compiled: bool, steps: int, warmup: int, gpu: bool
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         t0 = time.perf_counter()
+        marks = [t0]  # on CPU each step's own time (the host runs the work); on GPU only the window counts
         for step in range(warmup, warmup + steps):
             loss, *_ = train_step(engine, objective, stream, dict, 0, step, 1, 0)
+            marks.append(time.perf_counter())
         if gpu:
             torch.cuda.set_sync_debug_mode(0)
         final = float(loss)
         sync()
         elapsed = time.perf_counter() - t0
     syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message).lower()]
-    images_per_s = steps * batch / elapsed
+    if gpu:
+        images_per_s = steps * batch / elapsed
+    else:  # the median step: a shared CPU's other jobs show up as outliers, not in the median
+        images_per_s = batch / statistics.median([b - a for a, b in zip(marks, marks[1:])])
     device_name = torch.cuda.get_device_name(ctx.device) if gpu else platform.processor() or "cpu"
     peak = peak_flops(device_name, cfg.deepspeed.precision, cfg.deepspeed.tf32) if gpu else None
     out = {
@@ -188,6 +200,7 @@ def run_loader(
     from pipeline.data.device import DeviceDecode, batch_to_device, pil_decoder
     from pipeline.data.loader import make_train_loader
     from pipeline.data.sources import dataset_info
+    from pipeline.train.loop import _shutdown_loader
 
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
     extra = {"data": {"num_workers": workers, "decode": decode, "shuffle_buffer": 64}}
@@ -209,6 +222,7 @@ def run_loader(
     if gpu:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
+    _shutdown_loader(it)
     assert out["image"].shape == (batch, 3, img, img)
     return {"decode": decode, "workers": workers, "batch": batch, "images_per_s": batches * batch / elapsed}
 
@@ -223,10 +237,10 @@ def run_fed_training(data_root: str, spec: tuple, steps: int, gpu: bool, workers
     from pipeline.objectives import build_objective
     from pipeline.stage import model_kwargs
     from pipeline.train.engine import build_engine, init_distributed
-    from pipeline.train.loop import train_step
+    from pipeline.train.loop import _shutdown_loader, train_step
 
     model_name, zero, ckpt, objective_name, batch, img = spec
-    extra = {"data": {"num_workers": workers, "decode": "cuda" if gpu else "cpu", "shuffle_buffer": 64}}
+    extra = {"data": {"num_workers": workers, "decode": "cuda", "shuffle_buffer": 64}}
     cfg = _stage_config(model_name, zero, ckpt, objective_name, batch, img, gpu, **extra)
     ctx = init_distributed(gpu)
     info = dataset_info(data_root, "train")
@@ -250,9 +264,10 @@ def run_fed_training(data_root: str, spec: tuple, steps: int, gpu: bool, workers
         waited += w
     float(loss)
     elapsed = time.perf_counter() - t0
+    _shutdown_loader(it)
     return {
         "model": model_name,
-        "decode": cfg.data.decode,
+        "decode": "cuda" if gpu else "cuda, PIL standing in for nvJPEG",
         "workers": workers,
         "images_per_s": steps * batch / elapsed,
         "data_wait_fraction": waited / elapsed,

@@ -6,6 +6,9 @@ data path run with a PIL decoder standing in for nvJPEG (the real decoder needs 
 """
 
 import io
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -294,3 +297,27 @@ def test_compiled_model_trains_like_eager_under_zero3(smoke_dataset, tmp_path):
         losses[mode] = [v for _, v in history(run_dir)]
     assert len(losses["eager"]) == 6
     assert losses["compiled"] == pytest.approx(losses["eager"], rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_gpu_bench_dry_run_runs_every_case_on_cpu(tmp_path):
+    """bench/gpu.py --dry-run: the benchmark's code, debug models on CPU, every case without an error."""
+    out = tmp_path / "gpu.json"
+    bench = Path(__file__).parents[1] / "bench/gpu.py"
+    proc = subprocess.run(
+        [sys.executable, str(bench), "--dry-run", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["dry_run"] and result["errors"] == []
+    training = result["training"]
+    assert set(training) == {"vit_b16", "vit_b16_compiled", "vit_l16", "vit_h14", "mae_vit_h14"}
+    for name, case in training.items():
+        assert case["images_per_s"] > 0 and case["forward_flops_per_image"] > 0, name
+        assert case["host_syncs_in_timed_steps"] == 0, name
+    assert training["vit_h14"]["zero_stage"] == 3 and training["vit_h14"]["activation_checkpointing"]
+    assert {"cpu", "cuda", "cuda_into_vit_b16"} <= result["loader"].keys()
+    assert 0 <= result["loader"]["cuda_into_vit_b16"]["data_wait_fraction"] <= 1
