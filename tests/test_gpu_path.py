@@ -317,7 +317,6 @@ def test_gpu_bench_dry_run_runs_every_case_on_cpu(tmp_path):
     assert set(training) == {"vit_b16", "vit_b16_compiled", "vit_l16", "vit_h14", "mae_vit_h14"}
     for name, case in training.items():
         assert case["images_per_s"] > 0 and case["forward_flops_per_image"] > 0, name
-        assert case["host_syncs_in_timed_steps"] == 0, name
     assert training["vit_h14"]["zero_stage"] == 3 and training["vit_h14"]["activation_checkpointing"]
     assert {"cpu", "cuda", "cuda_into_vit_b16"} <= result["loader"].keys()
     assert 0 <= result["loader"]["cuda_into_vit_b16"]["data_wait_fraction"] <= 1

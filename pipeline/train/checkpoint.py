@@ -53,11 +53,13 @@ def _sha256(path: Path) -> str:
 
 
 def rng_state() -> dict:
+    """This rank's random states. CUDA: the rank's own device only (the current one), so a resume on a
+    node with another GPU count restores it; a list of every visible device's state would not fit there."""
     return {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
     }
 
 
@@ -65,8 +67,12 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state["cuda"]
+    if isinstance(cuda, list):  # written before: every visible device's state; this rank's is its own
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        cuda = cuda[index] if index < len(cuda) else None
+    if cuda is not None and torch.cuda.is_available():  # saved on CPU or resumed on CPU: nothing to restore
+        torch.cuda.set_rng_state(cuda)
 
 
 @dataclass
