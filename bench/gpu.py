@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -79,7 +80,8 @@ def _stage_config(
             "model": {"name": model_name, "img_size": img, "num_classes": CLASSES, **extra.pop("model", {})},
             "objective": {"name": objective},
             "optim": {"steps": 100_000, "warmup_steps": 0},
-            "deepspeed": {"zero_stage": zero, "activation_checkpointing": ckpt},
+            # One GPU reduces nothing: no overlap, and no per-backward device sync from DeepSpeed's epilogue.
+            "deepspeed": {"zero_stage": zero, "activation_checkpointing": ckpt, "overlap_comm": False},
             "cluster": {"launcher": "local", "use_gpu": gpu},
             **extra,
         }
@@ -133,9 +135,17 @@ def run_training(spec: tuple, compiled: bool, steps: int, warmup: int, gpu: bool
     float(loss)
     sync()
     warmup_s = time.perf_counter() - t_compile
+    device_syncs = []
     if gpu:
         torch.cuda.reset_peak_memory_stats()
-        torch.cuda.set_sync_debug_mode("warn")
+        torch.cuda.set_sync_debug_mode("warn")  # sees syncs inside torch ops, not torch.cuda.synchronize
+        original_sync = torch.cuda.synchronize
+
+        def counted_sync(*a, **kw):
+            device_syncs.append(traceback.extract_stack(limit=2)[0])
+            return original_sync(*a, **kw)
+
+        torch.cuda.synchronize = counted_sync
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         t0 = time.perf_counter()
@@ -145,10 +155,12 @@ def run_training(spec: tuple, compiled: bool, steps: int, warmup: int, gpu: bool
             marks.append(time.perf_counter())
         if gpu:
             torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.synchronize = original_sync
         final = float(loss)
         sync()
         elapsed = time.perf_counter() - t0
     syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message).lower()]
+    syncs += [f"torch.cuda.synchronize from {f.filename}:{f.lineno}" for f in device_syncs]
     if gpu:
         images_per_s = steps * batch / elapsed
     else:  # the median step: a shared CPU's other jobs show up as outliers, not in the median
@@ -156,6 +168,7 @@ def run_training(spec: tuple, compiled: bool, steps: int, warmup: int, gpu: bool
     device_name = torch.cuda.get_device_name(ctx.device) if gpu else platform.processor() or "cpu"
     peak = peak_flops(device_name, cfg.deepspeed.precision, cfg.deepspeed.tf32) if gpu else None
     out = {
+        "device": device_name,
         "model": model_name,
         "zero_stage": zero,
         "activation_checkpointing": ckpt,
@@ -328,6 +341,9 @@ def main() -> None:
     p.add_argument("--cpu-compile", action="store_true", help="eager vs compiled ViT-S/16 at 64 px on CPU")
     p.add_argument("--out", help="JSON path; default bench/results/gpu-<device>.json (dry run: print only)")
     p.add_argument("--steps", type=int, help="timed steps per training case")
+    p.add_argument(
+        "--budget-s", type=float, default=450.0, help="wall-clock budget; later cases get what is left"
+    )
     p.add_argument("--child", choices=["train", "loader", "fed"], help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--port", help=argparse.SUPPRESS)
@@ -341,12 +357,19 @@ def main() -> None:
     gpu = torch.cuda.is_available() and not (args.dry_run or args.cpu_compile)
     if not gpu and not (args.dry_run or args.cpu_compile):
         p.error("no CUDA device here: run with --dry-run (debug models on CPU) or --cpu-compile")
-    device = torch.cuda.get_device_name(0) if gpu else "cpu"
+    device = "cpu"  # on a GPU: the name the first case reports (this process makes no CUDA context)
     cases = GPU_CASES if gpu else CPU_COMPILE_CASES if args.cpu_compile else DRY_CASES
     steps = args.steps or (30 if gpu else 10 if args.cpu_compile else 2)
     warmup = 5 if gpu else 3 if args.cpu_compile else 1
-    workers = max(1, (os.cpu_count() or 2) - 1) if gpu else 1
+    # Loader workers: up to 8 (one GPU's share of a 16-core-per-GPU node, and an epoch of 64 shards still
+    # gives every worker a batch of 256).
+    workers = min(8, max(1, (os.cpu_count() or 2) - 1)) if gpu else 1
     started = time.perf_counter()
+    deadline = started + args.budget_s
+
+    def timeout(most: float) -> float:  # every case gets what is left of the budget, at most `most`
+        return max(30.0, min(most, deadline - time.perf_counter()))
+
     result: dict = {
         "benchmark": "gpu",
         "device": device,
@@ -362,7 +385,8 @@ def main() -> None:
             if args.dry_run and compiled and name != "vit_b16":
                 continue  # the dry run compiles one case: compiling on CPU takes minutes per model
             spec = {"case": case, "compiled": compiled, "steps": steps, "warmup": warmup, "gpu": gpu}
-            r = _run_case("train", spec, timeout=600)
+            r = _run_case("train", spec, timeout=timeout(240))
+            device = r.get("device", device)
             result["training"][f"{name}{'_compiled' if compiled else ''}"] = r
             print(
                 f"{name:14s} compiled={compiled!s:5s} {r.get('images_per_s', 0):9.1f} img/s "
@@ -370,9 +394,10 @@ def main() -> None:
                 flush=True,
             )
 
+    result["device"] = device
     if not args.cpu_compile:
         with tempfile.TemporaryDirectory() as tmp:
-            data = str(_jpeg_dataset(Path(tmp) / "jpegs", 2048 if gpu else 64))
+            data = str(_jpeg_dataset(Path(tmp) / "jpegs", 4096 if gpu else 64))
             batch, img, batches = (256, 224, 12) if gpu else (8, 32, 3)
             for decode in ("cpu", "cuda"):
                 spec = {
@@ -384,9 +409,9 @@ def main() -> None:
                     "gpu": gpu,
                     "workers": workers,
                 }
-                result["loader"][decode] = _run_case("loader", spec, timeout=300)
+                result["loader"][decode] = _run_case("loader", spec, timeout=timeout(120))
             spec = {"data": data, "case": cases["vit_b16"], "steps": steps, "gpu": gpu, "workers": workers}
-            result["loader"]["cuda_into_vit_b16"] = _run_case("fed", spec, timeout=300)
+            result["loader"]["cuda_into_vit_b16"] = _run_case("fed", spec, timeout=timeout(180))
 
     training = result["training"]
     result["goals"] = {

@@ -243,6 +243,11 @@ class DeepSpeedConfig(_Section):
     tf32: bool = Field(
         True, description="On GPU, run the remaining fp32 matmuls and convolutions on TF32 tensor cores."
     )
+    overlap_comm: bool = Field(
+        True,
+        description="ZeRO 1-3: reduce gradients while the backward pass runs. On CUDA, ZeRO-1/2 then "
+        "synchronize the device once per backward (DeepSpeed); turn off on one GPU, where nothing is reduced.",
+    )
     grad_accum: int = Field(1, gt=0, description="Gradient accumulation steps.")
     offload_optimizer: bool = Field(False, description="ZeRO CPU offload of the optimizer state.")
     offload_params: bool = Field(False, description="ZeRO-3 CPU offload of the parameters.")

@@ -13,6 +13,10 @@ named here with why it stays:
 - ZeRO-3 checks that every rank recorded the same parameter-fetch trace (`deepspeed/runtime/zero/utils.py`)
   while it records it: the first steps only.
 
+DeepSpeed's accelerator `synchronize` is counted too (a no-op on CPU): its throughput timer called it
+twice a step until engine.py turned the timer off. One it makes only on CUDA cannot show here: with
+`overlap_comm`, ZeRO-1/2 synchronize once per backward (`deepspeed.overlap_comm: false` avoids it).
+
 What Python cannot see: syncs inside torch's C++ (boolean-mask indexing, `nonzero`, a pageable
 host-to-device copy). The step path avoids those by construction (torch.where and weighted means in
 masked patch prediction, normalisation constants copied once), and `bench/gpu.py` runs its training

@@ -4,7 +4,7 @@
     batch = to_device(next(batches))      # {"image": uint8 [B, 3, 224, 224] on the GPU, "target", ...}
 
 CPU decode (the default, the only path CI runs): the workers made the images; this moves the tensors
-(pinned memory, non-blocking). CUDA decode: the workers send each JPEG still encoded with the crop box and
+(pinned memory, non-blocking). CUDA decode: the workers send each RGB or grey JPEG still encoded with the crop box and
 flip they drew (`BatchBuilder(encoded=True)`); here one batched nvJPEG call (torchvision's
 `decode_jpeg(device="cuda")`) decodes them and `crop_resize_flip` crops, resizes and flips each on the
 GPU, into the slots of the batch's image tensor. Slots the workers decoded (PNG, WebP) arrive as images.
@@ -89,15 +89,30 @@ class DeviceDecode:
     def __init__(self, device: torch.device, size: int, decoder: Decoder):
         self.device, self.size, self.decoder = device, size, decoder
         self.failed = 0
+        # nvJPEG works on a stream of its own; the outputs are made on a side stream and handed to the
+        # training stream with a wait, so the allocator never gives the decoder memory that kernels still
+        # queued on the training stream (the last step's) have yet to release.
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def _decode(self, jpegs: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        if self.stream is None:
+            return _decode_each(self.decoder, jpegs)
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            decoded = _decode_each(self.decoder, jpegs)
+        current.wait_stream(self.stream)
+        for img in decoded:
+            if img is not None:
+                img.record_stream(current)  # used (and freed) on the training stream from here on
+        return decoded
 
     def __call__(self, batch: dict) -> dict:
         offsets = batch["jpeg_offsets"].tolist()
         data, boxes, flips = batch["jpeg_data"], batch["box"].tolist(), batch["flip"].tolist()
         out = move({k: v for k, v in batch.items() if k not in ENCODED_KEYS}, self.device)
         slots = [i for i in range(len(offsets) - 1) if offsets[i + 1] > offsets[i]]
-        decoded = (
-            _decode_each(self.decoder, [data[offsets[i] : offsets[i + 1]] for i in slots]) if slots else []
-        )
+        decoded = self._decode([data[offsets[i] : offsets[i + 1]] for i in slots]) if slots else []
         images = out["image"]
         for i, img in zip(slots, decoded):
             if img is not None:

@@ -244,7 +244,7 @@ class ShardStream(IterableDataset):
         if self.decode == "cuda":
             data = image_bytes(sample)
             with Image.open(io.BytesIO(data)) as img:  # the header only: size and format
-                if img.format == "JPEG":
+                if img.format == "JPEG" and img.mode in ("RGB", "L"):  # nvJPEG refuses CMYK and YCCK
                     labels = sample_labels(sample, multi, k)
                     box, flip = train_crop_plan(img.width, img.height, rng, self.min_scale, self.hflip)
                     return builder.add_encoded(data, box, flip, labels, sample["__key__"])

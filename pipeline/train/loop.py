@@ -103,13 +103,13 @@ def train_step(
     engine, objective, batches, to_device: Callable[[dict], dict], seed: int, step: int, accum: int, rank: int
 ):
     """One optimizer step: `accum` micro-batches through the objective and the engine, with no host sync
-    (tests/test_host_sync.py counts). Returns (loss, metrics, last batch, seconds spent waiting for data)."""
+    (tests/test_host_sync.py counts). Returns (loss, metrics, last batch, seconds the host spent getting
+    batches: waiting on the loader, and moving or decoding them onto the device)."""
     waited = 0.0
     for micro in range(accum):
         t = time.perf_counter()
-        raw = next(batches)
+        batch = to_device(next(batches))  # with data.decode: cuda, the decode too
         waited += time.perf_counter() - t
-        batch = to_device(raw)
         batch["seed"] = step_seed(seed, step, micro, rank)
         loss, metrics = objective.loss(engine, batch)
         engine.backward(loss)
@@ -267,7 +267,7 @@ def train(
                     "train/lr": lr_scheduler.get_last_lr()[0],
                     "train/images_per_s": images_per_s,
                     "data/skipped_samples": packed[1].item(),
-                    # rank 0's time blocked on its loader, as a fraction of the interval's training time
+                    # rank 0's time getting batches (loader wait, copy or GPU decode), a fraction of the interval
                     "data/wait_fraction": min(1.0, data_wait / training_s),
                     **{f"train/{k}": v.item() for k, v in metrics.items()},
                 }

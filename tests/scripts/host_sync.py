@@ -3,8 +3,8 @@
     torchrun --nproc-per-node 2 tests/scripts/host_sync.py OUT_JSON DATA_DIR RUN_DIR [OVERRIDES...]
 
 A read is any call of Tensor.item, .tolist, .cpu, .numpy, or a conversion to bool, int, float or an
-index, made in this process by any code (ours, DeepSpeed's, torch's Python): on a GPU each one waits
-for the device. The loader runs in worker processes (data.num_workers=1), so its own reads are not
+index, made in this process by any code (ours, DeepSpeed's, torch's Python), and any call of DeepSpeed's
+accelerator `synchronize` (a no-op on CPU): on a GPU each one waits for the device. The loader runs in worker processes (data.num_workers=1), so its own reads are not
 counted. Rank 0 writes {"log_every": N, "steps": [[step, reads in the step, reads after it], ...],
 "where": {step: [call sites]}}, "reads after" counting from the end of a step to the start of the next.
 """
@@ -39,6 +39,21 @@ class Counter:
             return original(tensor, *args, **kwargs)
 
         setattr(torch.Tensor, name, counted)
+
+    def wrap_device_sync(self) -> None:
+        """DeepSpeed's device synchronize (its accelerator's): a no-op on CPU, a full stall on a GPU."""
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator = get_accelerator()
+        original = accelerator.synchronize
+
+        def counted(*args, **kwargs):
+            self.reads += 1
+            frame = traceback.extract_stack(limit=2)[0]
+            self.sites.append(f"synchronize at {frame.filename}:{frame.lineno}")
+            return original(*args, **kwargs)
+
+        accelerator.synchronize = counted
 
 
 def main() -> None:
@@ -79,6 +94,7 @@ def main() -> None:
     loop.train_step = counted_step
     for name in READS:
         counter.wrap(name)
+    counter.wrap_device_sync()
     loop.train(cfg)
     if last_end[0] is not None:
         steps[-1][2] = counter.reads - last_end[0]
