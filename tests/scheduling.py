@@ -38,6 +38,7 @@ LONG_TESTS = {
     "test_each_family_trains_under_every_zero_stage_with_distillation_and_simmim": 75,
     "test_gpu_bench_dry_run_runs_every_case_on_cpu": 150,  # five engines, one compiled
     "test_compiled_model_trains_like_eager_under_zero3": 120,  # compiles on both ranks
+    "test_export_is_assembled_in_memory_and_equals_zero_to_fp32": 60,
     "test_same_seed_same_losses_on_cpu": 55,
     "test_every_objective_trains_and_its_loss_falls": 50,
     "test_vitpipe_compare_command": 45,

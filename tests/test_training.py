@@ -1,5 +1,6 @@
 """The training loop on 2 gloo ranks: exact resume per ZeRO stage, checkpoint safety, MLflow contents."""
 
+import json
 import os
 import signal
 import subprocess
@@ -187,3 +188,25 @@ def test_progress_lines_come_at_a_readable_rate():
     # A long, slow run still prints at least once every PROGRESS_MAX_SILENCE_S.
     slow = printed(100_000, seconds_per_step=PROGRESS_MAX_SILENCE_S / 10)
     assert slow[:3] == [1, 11, 21]
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_export_is_assembled_in_memory_and_equals_zero_to_fp32(smoke_dataset, tmp_path):
+    """The export needs no checkpoint file of another rank (on a cluster they lie on other nodes): every rank
+    assembles the fp32 weights by collectives; the result equals DeepSpeed's zero_to_fp32 over the files."""
+    out = tmp_path / "report.json"
+    torchrun(
+        "tests/scripts/export_consolidation.py",
+        str(out),
+        str(smoke_dataset),
+        str(tmp_path / "runs"),
+        "1",
+        "2",
+        "3",
+    )
+    report = json.loads(out.read_text())
+    assert set(report) == {"1", "2", "3"}
+    for stage, r in report.items():
+        assert r["keys"] > 50 and not r["missing"] and not r["unexpected"], (stage, r)
+        assert r["max_abs_diff"] == 0.0, (stage, r)

@@ -201,21 +201,33 @@ def build_engine(model: nn.Module, cfg: StageConfig, ctx: DistContext):
     return engine, optimizer, lr_scheduler
 
 
-def consolidated_state_dict(engine, ckpt_dir: str, tag: str) -> dict[str, torch.Tensor] | None:
-    """Full fp32 weights on rank 0 (None elsewhere), from any ZeRO stage.
+def consolidated_state_dict(engine) -> dict[str, torch.Tensor] | None:
+    """Full fp32 weights on rank 0 (None elsewhere), from any ZeRO stage; every rank must call it.
 
-    Stages 1-3 hold the fp32 master weights partitioned across ranks: DeepSpeed's zero_to_fp32
-    reassembles them from the checkpoint just written. Stage 0 keeps full weights in the module.
+    Stages 1-3 hold the fp32 master weights partitioned across ranks: each parameter is assembled in
+    memory by a collective over the ranks (DeepSpeed's `safe_get_full_fp32_param`), not read back from
+    checkpoint files, which on a cluster lie on each rank's own node and not all on rank 0's. Stage 0
+    keeps full weights in the module (bf16 ones cast up).
     """
-    if dist.get_rank() != 0:
-        return None
+    rank0 = dist.get_rank() == 0
+    module = engine.module
     if engine.zero_optimization_stage() == 0:
-        return {k: v.detach().float().cpu().clone() for k, v in engine.module.state_dict().items()}
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        if not rank0:
+            return None
+        return {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
+    from deepspeed.utils import safe_get_full_fp32_param
 
-    state = get_fp32_state_dict_from_zero_checkpoint(ckpt_dir, tag=tag)
-    # Buffers that are not parameters (none persistent in our models) would be missing: fill from the module.
-    for k, v in engine.module.state_dict().items():
+    state: dict[str, torch.Tensor] = {}
+    for name, param in module.named_parameters():  # the same order on every rank: one collective each
+        full = safe_get_full_fp32_param(param)
+        if full is None:
+            raise RuntimeError(f"rank {dist.get_rank()}: ZeRO holds no fp32 master copy of {name}")
+        if rank0:
+            state[name] = full.detach().float().cpu().clone()
+    if not rank0:
+        return None
+    # Buffers (BatchNorm statistics) are not partitioned: every rank holds them whole.
+    for k, v in module.state_dict().items():
         if k not in state and v.numel() > 0:
             state[k] = v.detach().float().cpu().clone()
     return {k: v.contiguous() for k, v in state.items()}

@@ -324,17 +324,26 @@ def train(
         if not stopped_early:
             final_dir = save(cfg.optim.steps)
             if cfg.checkpoint.export:
-                state = consolidated_state_dict(engine, str(ckpt_dir), final_dir.name)
+                state = consolidated_state_dict(engine)  # a collective: every rank
+                failure = None
                 if ctx.is_main:
-                    export_path = str(
-                        export_weights(state, cfg.model.name, kwargs, run_path / "export", cfg.optim.steps)
-                    )
-                    if store is not None:  # the next stage may run on other machines: it reads this copy
-                        for f in sorted((run_path / "export").iterdir()):
-                            store.upload(f, f"export/{f.name}")
-                        tracker.set_tags({"export_uri": child(cfg.checkpoint.uri, "export")})
-                    tracker.set_tags({"export": export_path})
-                dist.barrier()
+                    try:
+                        export_path = str(
+                            export_weights(
+                                state, cfg.model.name, kwargs, run_path / "export", cfg.optim.steps
+                            )
+                        )
+                        if store is not None:  # the next stage may run on other machines: it reads this copy
+                            for f in sorted((run_path / "export").iterdir()):
+                                store.upload(f, f"export/{f.name}")
+                            tracker.set_tags({"export_uri": child(cfg.checkpoint.uri, "export")})
+                        tracker.set_tags({"export": export_path})
+                    except Exception as exc:  # the other ranks must not wait for rank 0 forever
+                        failure = exc
+                if not checkpoint.all_agree(failure is None, ctx.control_group):
+                    if failure is not None:
+                        raise failure
+                    raise RuntimeError(f"rank {ctx.rank}: rank 0 failed to write the export; see its log")
             tracker.set_tags({"checkpoint": str(final_dir)})
         result = StageResult(
             cfg.optim.steps, last_loss, str(final_dir), tracker.run_id, export_path, stopped_early, losses
