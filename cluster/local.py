@@ -99,10 +99,35 @@ def start_head(temp_dir: str, num_cpus: int = 4, include_dashboard: bool = True)
         "--disable-usage-stats",
         *_node_ports(),
     ]
+    _start(cmd, temp_dir)
+    return LocalCluster(f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}", temp_dir)
+
+
+def _start(cmd: list[str], temp_dir: str) -> None:
+    """Run a `ray start`; when it fails, stop what it had started (a GCS server, a log monitor) before
+    raising: left running, they hold ports and make the next start on this machine time out."""
     proc = subprocess.run(cmd, env=auth_env(), capture_output=True, text=True)
     if proc.returncode != 0:
+        _terminate(f"{os.path.abspath(temp_dir)}/")
         raise RuntimeError(f"`{' '.join(cmd)}` failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return LocalCluster(f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}", temp_dir)
+
+
+def _terminate(marker: str) -> None:
+    """Terminate (then kill, after 15 s) every other process whose command line contains `marker`."""
+    procs = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if p.pid != os.getpid() and marker in " ".join(p.info["cmdline"] or []):
+                procs.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=15)
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
 
 
 def add_worker_node(cluster: LocalCluster, num_cpus: int = 2, name: str = "worker1") -> None:
@@ -127,9 +152,7 @@ def add_worker_node(cluster: LocalCluster, num_cpus: int = 2, name: str = "worke
         "--disable-usage-stats",
         *_node_ports(),
     ]
-    proc = subprocess.run(cmd, env=auth_env(), capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"`{' '.join(cmd)}` failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    _start(cmd, f"{cluster.temp_dir}-{name}")
 
 
 def stop(cluster: LocalCluster | None = None) -> None:
@@ -137,21 +160,7 @@ def stop(cluster: LocalCluster | None = None) -> None:
     if cluster is None:
         subprocess.run([_ray_bin(), "stop", "--force"], env=auth_env(), capture_output=True, text=True)
         return
-    session = Path(cluster.temp_dir, "session_latest").resolve().name  # session_2026-..._PID
-    procs = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if p.pid != os.getpid() and session in " ".join(p.info["cmdline"] or []):
-                procs.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.terminate()
-    _, alive = psutil.wait_procs(procs, timeout=15)
-    for p in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
+    _terminate(Path(cluster.temp_dir, "session_latest").resolve().name)  # session_2026-..._PID
 
 
 def main(argv: list[str] | None = None) -> int:

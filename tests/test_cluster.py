@@ -3,15 +3,21 @@
 import json
 import os
 import re
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
+
+from cluster import local
 
 ROOT = Path(__file__).parents[1]
 # A worker's progress line as the job log shows it: "(RayTrainWorker pid=N) step 3/8 loss ..." (ANSI inside).
@@ -239,3 +245,29 @@ def test_local_cluster_is_two_nodes_bound_to_loopback(ray_cluster):
     active = proc.stdout.split("Active:")[1].split("Pending:")[0]
     assert active.count("node_") == 2, proc.stdout
     assert ray_cluster.dashboard_url.startswith("http://127.0.0.1:")
+
+
+def test_a_failed_local_start_leaves_no_process_behind(monkeypatch):
+    """`ray start --head` that fails after starting its GCS server (here: the dashboard port is taken)
+    raises, and stops what it had started: a GCS server left running makes the next start time out."""
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    free = local._free_port
+    ports = iter([free(), busy.getsockname()[1]])  # the GCS port, then the dashboard's, then any free ones
+    monkeypatch.setattr(local, "_free_port", lambda: next(ports, None) or free())
+    temp_dir = tempfile.mkdtemp(
+        prefix="ray-failed-", dir="/tmp"
+    )  # short: Ray's socket paths must fit 107 bytes
+    try:
+        with pytest.raises(RuntimeError, match="already occupied"):
+            local.start_head(temp_dir, num_cpus=1)
+    finally:
+        busy.close()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    left = [
+        p.info["name"]
+        for p in psutil.process_iter(["name", "cmdline"])
+        if f"{temp_dir}/" in " ".join(p.info["cmdline"] or [])
+    ]
+    assert not left, f"processes of the failed start still running: {left}"
