@@ -344,6 +344,7 @@ def main() -> None:
     p.add_argument(
         "--budget-s", type=float, default=450.0, help="wall-clock budget; later cases get what is left"
     )
+    p.add_argument("--no-compile", action="store_true", help="eager cases only")
     p.add_argument("--child", choices=["train", "loader", "fed"], help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--port", help=argparse.SUPPRESS)
@@ -382,7 +383,7 @@ def main() -> None:
 
     for name, case in cases.items():
         for compiled in (False, True):
-            if args.dry_run and compiled and name != "vit_b16":
+            if compiled and (args.no_compile or (args.dry_run and name != "vit_b16")):
                 continue  # the dry run compiles one case: compiling on CPU takes minutes per model
             spec = {"case": case, "compiled": compiled, "steps": steps, "warmup": warmup, "gpu": gpu}
             r = _run_case("train", spec, timeout=timeout(240))

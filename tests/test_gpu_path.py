@@ -301,11 +301,13 @@ def test_compiled_model_trains_like_eager_under_zero3(smoke_dataset, tmp_path):
 
 @pytest.mark.slow
 def test_gpu_bench_dry_run_runs_every_case_on_cpu(tmp_path):
-    """bench/gpu.py --dry-run: the benchmark's code, debug models on CPU, every case without an error."""
+    """bench/gpu.py --dry-run: the benchmark's code, debug models on CPU, every case without an error.
+    Eager only: compiling costs a minute on these cores, and test_compiled_model_trains_like_eager_under_zero3
+    runs the compiled engine."""
     out = tmp_path / "gpu.json"
     bench = Path(__file__).parents[1] / "bench/gpu.py"
     proc = subprocess.run(
-        [sys.executable, str(bench), "--dry-run", "--out", str(out)],
+        [sys.executable, str(bench), "--dry-run", "--no-compile", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -314,7 +316,7 @@ def test_gpu_bench_dry_run_runs_every_case_on_cpu(tmp_path):
     result = json.loads(out.read_text())
     assert result["dry_run"] and result["errors"] == []
     training = result["training"]
-    assert set(training) == {"vit_b16", "vit_b16_compiled", "vit_l16", "vit_h14", "mae_vit_h14"}
+    assert set(training) == {"vit_b16", "vit_l16", "vit_h14", "mae_vit_h14"}
     for name, case in training.items():
         assert case["images_per_s"] > 0 and case["forward_flops_per_image"] > 0, name
     assert training["vit_h14"]["zero_stage"] == 3 and training["vit_h14"]["activation_checkpointing"]
