@@ -495,8 +495,11 @@ def _allowed_keys(schema: type[BaseModel], loc: tuple) -> list[str]:
 _EXPERIMENT_WIDE = {
     "name": "a stage's name is its key under stages",
     "seed": "set seed once at the top of the file: every stage gets the experiment's seed",
+    "seeds": "set seeds once at the top of the file: every stage runs once per seed",
     "run_dir": "set run_dir once at the top of the file: stage STAGE runs in RUN_DIR/STAGE",
 }
+# Top-level keys of a multi-stage file that a one-stage file does not have.
+_MULTI_STAGE_KEYS = ("stages", "defaults", "storage", "seeds")
 
 
 def _unknown_key(schema: type[BaseModel], loc: tuple) -> str:
@@ -509,9 +512,13 @@ def _unknown_key(schema: type[BaseModel], loc: tuple) -> str:
     ):
         return f"not a stage key here: {_EXPERIMENT_WIDE[key]}"
     allowed = _allowed_keys(schema, loc)
-    candidates = allowed + (
-        ["stages", "defaults", "storage"] if schema is StageConfig and len(loc) == 1 else []
-    )
+    one_stage_top = schema is StageConfig and len(loc) == 1
+    if one_stage_top and key == "seeds":  # else "did you mean 'seed'", which is not what was meant
+        return (
+            "seeds repeats the stages of a multi-stage experiment file (one with `stages`, run by "
+            "`vitpipe run`); a one-stage file has one `seed`"
+        )
+    candidates = allowed + (list(_MULTI_STAGE_KEYS) if one_stage_top else [])
     close = difflib.get_close_matches(key, candidates, n=1)
     hint = ""
     if close:
@@ -796,7 +803,16 @@ class _ExperimentKeys(_Section):
     name: str = Field(
         ..., min_length=1, description="Experiment name: the run directory and MLflow experiment."
     )
-    seed: int = Field(0, description="Root seed of every stage.")
+    seed: int | None = Field(None, description="Root seed of every stage; null means 0 (or `seeds`).")
+    seeds: list[pydantic.StrictInt] | None = Field(
+        None,
+        min_length=1,
+        description="Run every stage once per seed (distinct ints, e.g. [0, 1, 2]) instead of one `seed`: "
+        "stage STAGE becomes STAGE_s0, STAGE_s1, ... (all stages of the first seed, then the next seed), "
+        "each with that seed and its own RUN_DIR/STAGE_sK; `init_from: STAGE` and `teacher.weights: STAGE` "
+        "read the same seed's replica. Not with `seed` (override a file's: `seed=null seeds=[0,1,2]`). "
+        "`vitpipe compare --over-seeds` shows the mean and standard error over the replicas.",
+    )
     run_dir: str = Field(
         "runs/{name}",
         description="The experiment's folder (`{name}` expands); stage STAGE runs in RUN_DIR/STAGE.",
@@ -822,8 +838,26 @@ class _ExperimentKeys(_Section):
         ...,
         min_length=1,
         description="Stage name -> that stage's own keys (any stage key but name, seed and run_dir, which the "
-        "experiment sets), run in this order; overrides read `stages.NAME.optim.lr=1e-3`.",
+        "experiment sets), run in this order; overrides read `stages.NAME.optim.lr=1e-3` (with `seeds`, the "
+        "name as written: the override applies to every replica).",
     )
+
+    @field_validator("seeds")
+    @classmethod
+    def _distinct_seeds(cls, v: list[int] | None) -> list[int] | None:
+        repeated = sorted({s for s in (v or []) if v.count(s) > 1})
+        if repeated:
+            raise ValueError(f"seeds must be distinct; repeated: {', '.join(map(str, repeated))}")
+        return v
+
+    @model_validator(mode="after")
+    def _seed_or_seeds(self) -> _ExperimentKeys:
+        if self.seed is not None and self.seeds is not None:
+            raise ValueError(
+                f"seed ({self.seed}) and seeds ({self.seeds}) are both set: keep one (seeds runs every stage "
+                "once per seed); to replace a file's seed on the command line, pass seed=null seeds=[...]"
+            )
+        return self
 
 
 ExperimentFile = pydantic.create_model(
@@ -834,7 +868,14 @@ ExperimentFile = pydantic.create_model(
 
     Each stage is `defaults` (under it, any stage section written at the top of the file, e.g. by a
     `base:` preset) deep-merged with `stages.NAME`, then validated as a whole stage. A file without
-    `stages` is a one-stage experiment (a stage file).""",
+    `stages` is a one-stage experiment (a stage file).
+
+    With `seeds: [0, 1, 2]` every stage runs once per seed, as stage STAGE_sK in RUN_DIR/STAGE_sK with
+    seed K: every stage of seed 0 in file order, then every stage of seed 1, and so on, so a stage
+    always runs after the stages it reads (`init_from` and `teacher.weights` naming a stage read that
+    seed's replica), and the first seed's results are complete first. A finished replica is skipped
+    on resubmission like any stage (RUN_DIR/STAGE_sK/DONE.json), so adding a seed later runs only the
+    new replicas.""",
     **{
         s: (
             StageSettings.model_fields[s].annotation,
@@ -871,8 +912,18 @@ def _replaced(d: dict, keys: tuple[str, ...], value: Any) -> dict:
     return {**d, head: _replaced(d[head], tuple(rest), value) if rest else value}
 
 
+REPLICA_SUFFIX = "_s{seed}"  # under `seeds:`, stage STAGE's run for seed K is STAGE_sK (compare reads it)
+
+
+def replica_name(stage: str, seed: int | str) -> str:
+    """Stage `stage`'s replica for `seed` under `seeds:` (`pretrain` -> `pretrain_s0`): its name, run
+    directory and MLflow run name. A name ends in one suffix, so two (stage, seed) pairs never share one."""
+    return stage + REPLICA_SUFFIX.format(seed=seed)
+
+
 def load_experiment(path: str | os.PathLike, overrides: list[str] | None = None) -> Experiment:
-    """Read an experiment file (one stage, or `stages`), apply dotted overrides, validate every stage."""
+    """Read an experiment file (one stage, or `stages`), apply dotted overrides, validate every stage;
+    with `seeds`, every stage once per seed (see `ExperimentFile`)."""
     path = Path(path)
     raw = _read_yaml(path)
     if "stages" not in raw:
@@ -911,38 +962,48 @@ def load_experiment(path: str | os.PathLike, overrides: list[str] | None = None)
     top = {s: _given(getattr(f, s)) for s in TOP_LEVEL_STAGE_SECTIONS if getattr(f, s) is not None}
     defaults = _deep_merge(top, _given(f.defaults))
     resolved: list[tuple[str, StageConfig]] = []
-    for stage_name, settings in f.stages.items():
-        merged = _deep_merge({"cluster": _given(f.cluster)}, _deep_merge(defaults, _given(settings)))
-        merged.update(
-            name=stage_name,
-            seed=f.seed,
-            run_dir=str(run_path / stage_name),
-            tracking={**tracking, **(merged.get("tracking") or {}), "uri": uri, "experiment": f.name},
-        )
-        if storage is not None:
-            merged["checkpoint"] = {"uri": stored(stage_name), **(merged.get("checkpoint") or {})}
-        # An earlier stage named where weights are read means its export.
-        for keys in (("model", "init_from"), ("objective", "teacher", "weights")):
-            node: Any = merged
-            for k in keys:
-                node = node.get(k) if isinstance(node, dict) else None
-            if isinstance(node, str) and node in f.stages:
-                if node not in [n for n, _ in resolved]:
-                    raise ConfigError(
-                        f"{path}: stages.{stage_name}.{'.'.join(keys)}: stage {node!r} does not run before it"
-                    )
-                merged = _replaced(merged, keys, export_of(node))
-        source = f"{path} stages.{stage_name}"
-        resolved.append((stage_name, _checked(validate_config(merged, source=source), source)))
+
+    def run_name(stage: str, seed: int) -> str:
+        return stage if f.seeds is None else replica_name(stage, seed)
+
+    # Seed-major: every stage of one seed before the next seed's, so a stage's inputs (earlier stages of
+    # its seed) are resolved before it, and a stopped experiment leaves whole seeds finished.
+    for seed in f.seeds or [f.seed or 0]:
+        for stage_name, settings in f.stages.items():
+            name = run_name(stage_name, seed)
+            merged = _deep_merge({"cluster": _given(f.cluster)}, _deep_merge(defaults, _given(settings)))
+            merged.update(
+                name=name,
+                seed=seed,
+                run_dir=str(run_path / name),
+                tracking={**tracking, **(merged.get("tracking") or {}), "uri": uri, "experiment": f.name},
+            )
+            if storage is not None:
+                merged["checkpoint"] = {"uri": stored(name), **(merged.get("checkpoint") or {})}
+            # An earlier stage named where weights are read means its export (that seed's replica's).
+            for keys in (("model", "init_from"), ("objective", "teacher", "weights")):
+                node: Any = merged
+                for k in keys:
+                    node = node.get(k) if isinstance(node, dict) else None
+                if isinstance(node, str) and node in f.stages:
+                    if run_name(node, seed) not in [n for n, _ in resolved]:
+                        raise ConfigError(
+                            f"{path}: stages.{stage_name}.{'.'.join(keys)}: stage {node!r} does not run "
+                            "before it"
+                        )
+                    merged = _replaced(merged, keys, export_of(run_name(node, seed)))
+            source = f"{path} stages.{stage_name}" + ("" if f.seeds is None else f" (seed {seed})")
+            resolved.append((name, _checked(validate_config(merged, source=source), source)))
     return Experiment(name=f.name, run_path=run_path, tracking_uri=uri, stages=resolved, source=str(path))
 
 
 # ---------------------------------------------------------------- inputs, before anything starts
 
 
-def _dataset_problem(source: str, splits: list[str]) -> str | None:
+def _dataset_problem(source: str, splits: list[str], masks: bool = False) -> str | None:
     """Why the loader could not read `source` (a dataset folder or object store prefix, or local shard
-    files), else None. Shard URLs are not checked here (the loader reports what it cannot open)."""
+    files), else None; `masks`: the stage needs per-pixel masks (segmentation). Shard URLs are not checked
+    here (the loader reports what it cannot open)."""
     if names_shards(source):
         from webdataset.shardlists import expand_urls  # heavy (it imports torch): see _models
 

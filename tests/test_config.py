@@ -315,3 +315,77 @@ def test_entry_points_refuse_a_missing_dataset_or_model_before_ray_starts(tmp_pa
     assert cluster.run.main([str(SMOKE), *missing]) == 2
     assert vitpipe.main(["train", str(SMOKE), "model.name=vit_b17"]) == 2
     assert "unknown model 'vit_b17'" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- seeds: every stage once per seed
+
+TWO_STAGE = Path(__file__).parents[1] / "configs/experiments/two_stage_tiny.yaml"
+
+
+def test_seeds_repeat_every_stage_per_seed_reading_the_same_seeds_replicas(tmp_path):
+    p = write(
+        tmp_path,
+        f"name: e\nseeds: [0, 1, 2]\nrun_dir: {tmp_path / 'runs'}\nstorage: s3://b/{{name}}?region=x\n"
+        "defaults: {data: {train: d}}\nstages:\n  pretrain: {}\n  finetune: {model: {init_from: pretrain}}\n"
+        "  distill: {objective: {name: distill, teacher: {model: vit_debug, weights: finetune}}}\n",
+    )
+    e = load_experiment(p, ["stages.finetune.optim.lr=0.5"])  # the name as written: every replica
+    runs = tmp_path / "runs"
+    # Seed-major: all stages of seed 0, then seed 1, ...; each stage after the stages it reads.
+    assert [n for n, _ in e.stages] == [
+        f"{s}_s{k}" for k in range(3) for s in ("pretrain", "finetune", "distill")
+    ]
+    for name, cfg in e.stages:
+        stage, k = name.rsplit("_s", 1)
+        assert cfg.name == name and cfg.seed == int(k)
+        assert cfg.run_path == runs / name  # its own DONE.json, checkpoints and mlflow_run.json
+        assert cfg.checkpoint.uri == f"s3://b/e/{name}?region=x"
+        assert cfg.tracking.experiment == "e" and cfg.tracking_uri == f"sqlite:///{runs / 'mlflow.db'}"
+        assert cfg.optim.lr == (0.5 if stage == "finetune" else 1e-3)
+        if stage == "finetune":
+            assert cfg.model.init_from == f"s3://b/e/pretrain_s{k}/export?region=x"
+        if stage == "distill":
+            assert cfg.objective.teacher.weights == f"s3://b/e/finetune_s{k}/export?region=x"
+        flat = flatten(cfg)  # the MLflow params vitpipe compare --over-seeds groups by
+        assert flat["seed"] == k and flat["name"] == name
+    assert e.run_path == runs and e.parent_run_file == runs / "parent_run.json"
+    # Without storage an earlier stage is its replica's export folder; a later stage is still refused.
+    p.write_text(p.read_text().replace("storage: s3://b/{name}?region=x\n", ""))
+    finetune = dict(load_experiment(p).stages)["finetune_s2"]
+    assert finetune.model.init_from == str(runs / "pretrain_s2" / "export")
+    with pytest.raises(ConfigError, match="stages.pretrain.model.init_from: stage 'finetune' does not run"):
+        load_experiment(p, ["stages.pretrain.model.init_from=finetune"])
+
+
+def test_seed_and_seeds_together_name_both_and_the_override_that_replaces_a_seed(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_experiment(TWO_STAGE, ["seeds=[0,1]"])  # the file sets seed: 0
+    msg = str(err.value)
+    assert msg.startswith(f"{TWO_STAGE}: invalid config (1 problem)")
+    assert "seed (0) and seeds ([0, 1]) are both set" in msg and "seed=null seeds=[...]" in msg
+    e = load_experiment(TWO_STAGE, ["seed=null", "seeds=[0,1]"])
+    assert [(n, c.seed) for n, c in e.stages] == [
+        ("pretrain_s0", 0),
+        ("finetune_s0", 0),
+        ("pretrain_s1", 1),
+        ("finetune_s1", 1),
+    ]
+    # Without seeds nothing changes: the stage names as written, the file's seed.
+    assert [(n, c.seed) for n, c in load_experiment(TWO_STAGE).stages] == [("pretrain", 0), ("finetune", 0)]
+    stages = "stages: {a: {data: {train: d}}}\n"
+    for seeds, expected in [
+        ("[1, 2, 1]", r"seeds: seeds must be distinct; repeated: 1"),
+        ("[]", r"seeds: List should have at least 1 item"),
+        ("[0, x]", r"seeds\.1: Input should be a valid integer"),
+        ("3", r"seeds: Input should be a valid list"),
+    ]:
+        with pytest.raises(ConfigError, match=expected):
+            load_experiment(write(tmp_path, f"name: e\nseeds: {seeds}\n{stages}"))
+    with pytest.raises(
+        ConfigError, match=r"stages\.a\.seeds: not a stage key here: set seeds once at the top"
+    ):
+        load_experiment(write(tmp_path, "name: e\nstages: {a: {data: {train: d}, seeds: [0]}}\n"))
+    with pytest.raises(
+        ConfigError, match=r"seeds: seeds repeats the stages of a multi-stage experiment file"
+    ):
+        load_config(SMOKE, ["seeds=[0,1]"])
