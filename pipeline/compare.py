@@ -5,6 +5,7 @@
     vitpipe compare --filter "params.optim.lr = '0.001'" --format markdown
     vitpipe compare --run 3f2a9c... --run 9c1b04... --format csv > runs.csv
     vitpipe compare --experiment smoke --plot train/loss --out loss.png
+    vitpipe compare --experiment ablation --over-seeds --metric eval/map --sort eval/map --desc
 
 Runs are chosen by experiment name (`--experiment`, repeatable), an MLflow search filter (`--filter`,
 over the chosen experiments or, without any, over all of them) and run ids (`--run`, repeatable); the
@@ -25,6 +26,17 @@ directories, data and checkpoint locations, tracking URIs) and params that only 
 name are left out; long cells are cut; when the rest still does not fit, the chosen metrics come
 first, then the params, and a note on stderr names what was left out. `--wide` shows every column
 in full, as csv always does; markdown leaves out the same params but is never cut to a width.
+
+`--over-seeds` puts the replicas of one configuration in one row: the runs of an experiment with
+`seeds: [0, 1, 2]` (stage X runs as X_s0, X_s1, X_s2), or any runs whose params are equal once the
+seed, the run's name and where the run writes are set aside (`replica_key`). A row shows the group's
+runs (the stage name without the seed suffix), `n`, the params that differ between groups, and per
+metric the mean over the runs and its standard error (sample standard deviation, ddof 1, over
+sqrt(n)): `0.853 ± 0.012`; a group of one run has no error (`0.65 ± -`). A run without the metric
+is left out of that mean, and the cell says how many runs it used when that is not every run of the
+group: `0.420 ± 0.020 (n=2)`. csv has METRIC (the mean), METRIC_se, METRIC_n and the group's run ids.
+Runs without params (an experiment's parent run, which holds per-stage summaries) are not grouped.
+`--sort` orders the groups by the mean.
 """
 
 from __future__ import annotations
@@ -40,7 +52,7 @@ import sys
 import textwrap
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -58,8 +70,21 @@ TABLE_WIDTH = 120  # columns the plain table fits by default (--width)
 # derived.* last): what the stage is, then the model, the objective, the optimizer, the data.
 PARAM_PRIORITY = ("kind", "model.name", "objective.name", "model.", "objective.", "optim.", "data.")
 MAX_CELL = 24  # characters of a cell the fitted table shows; longer ones end in "..."
+SEED_PARAM = "seed"  # the param that tells replicas apart (pipeline.config.flatten logs the stage's seed)
 
-Cell = str | float | None
+
+@dataclass(frozen=True)
+class MeanSE:
+    """A metric over a group of seed replicas: the mean of the runs that have it, its standard error
+    (None for one run), how many runs that was (`n`) and how many the group has (`size`)."""
+
+    mean: float
+    se: float | None
+    n: int
+    size: int
+
+
+Cell = str | float | int | MeanSE | None
 
 
 class CompareError(Exception):
@@ -287,8 +312,11 @@ def aggregate(client: MlflowClient, run: Run, metric: str, agg: str) -> float | 
 class Table:
     columns: list[str]
     rows: list[list[Cell]]
-    run_ids: list[str]  # full ids, row by row (the `id` column shows 8 characters outside csv)
-    kinds: list[str]  # per column: "run", "id", "parent", "param" or "metric"
+    # Full ids, row by row (the `id` column shows 8 characters outside csv); a group's row: its runs'
+    # ids, space-separated (csv only).
+    run_ids: list[str]
+    kinds: list[str]  # per column: "run", "id", "parent", "n" (a group's size), "param" or "metric"
+    grouped: bool = False  # rows are groups of seed replicas, metric cells MeanSE
 
     def column(self, name: str) -> int:
         # A metric column may be asked for by its bare name ("train/loss" for "train/loss [best]").
@@ -317,8 +345,11 @@ def build_table(client: MlflowClient, runs: Sequence[Run], metrics: Sequence[str
 
 
 def _sort_key(value: Cell) -> tuple:
-    """Numbers (and numeric strings, e.g. params) by value, before text; used only on present cells."""
-    if isinstance(value, float):
+    """Numbers (and numeric strings, e.g. params) by value, before text; used only on present cells.
+    A mean over seeds sorts by the mean."""
+    if isinstance(value, MeanSE):
+        return (0, value.mean)
+    if isinstance(value, float | int):
         return (0, value)
     try:
         return (0, float(value))
@@ -333,15 +364,130 @@ def sort_table(table: Table, column: str, descending: bool = False) -> Table:
 
     def absent(k: int) -> bool:
         v = table.rows[k][i]
+        v = v.mean if isinstance(v, MeanSE) else v
         return v is None or (isinstance(v, float) and math.isnan(v))
 
     present = sorted(
         (k for k in order if not absent(k)), key=lambda k: _sort_key(table.rows[k][i]), reverse=descending
     )
     order = present + [k for k in order if absent(k)]
-    return Table(
-        table.columns, [table.rows[k] for k in order], [table.run_ids[k] for k in order], table.kinds
-    )
+    return replace(table, rows=[table.rows[k] for k in order], run_ids=[table.run_ids[k] for k in order])
+
+
+# ---------------------------------------------------------------- seed replicas: mean and standard error
+
+
+@dataclass
+class ReplicaGroup:
+    """Runs that differ only in their seed (and name and output places): one configuration's replicas."""
+
+    label: str  # the runs' name without the seed suffix (pretrain_s0 -> pretrain), or their names
+    key: dict[str, str]  # the params that say what the runs computed (`replica_key`)
+    runs: list[Run]
+
+
+def _inherited_params(runs: Sequence[Run]) -> dict[str, dict[str, str]]:
+    """Run id -> its params over those of its chosen ancestors: a nested child logs only its own."""
+    by_id = {r.info.run_id: r for r in runs}
+    out = {}
+    for r in runs:
+        chain: list[Run] = []
+        node: Run | None = r
+        while node is not None and node.info.run_id not in {c.info.run_id for c in chain}:
+            chain.append(node)
+            node = by_id.get(node.data.tags.get(PARENT_TAG))  # None past the first ancestor not chosen
+        out[r.info.run_id] = {k: v for n in reversed(chain) for k, v in n.data.params.items()}
+    return out
+
+
+def replica_key(run_name: str, params: dict[str, str]) -> dict[str, str]:
+    """What a run computed, the same for every seed's replica of it: its params without
+
+    - `seed`;
+    - the run's name (a param equal to it: `name`);
+    - where the run writes: a path or URI param that holds the run's name as a path segment
+      (run_dir RUNS/X_s0, checkpoint.uri s3://.../X_s0, the default tracking URI RUNS/X/mlflow.db);
+
+    and in the other paths and URIs, what the run reads (init_from, teacher weights, data), a path
+    segment ending in the run's replica suffix (`_s0` for seed 0: RUNS/pretrain_s0/export) ends in `_s*`
+    instead, so that replicas reading their own seed's earlier stage agree and runs reading different
+    stages do not.
+    """
+    from pipeline.config import replica_name  # the one definition of the suffix; pydantic loads here
+
+    seed = params.get(SEED_PARAM)
+    suffix = None if seed is None else re.compile(re.escape(replica_name("", seed)) + r"(?=[/?#]|$)")
+    key = {}
+    for k, v in params.items():
+        if k == SEED_PARAM or (run_name and v == run_name):
+            continue
+        if path_like(v):
+            if run_name and run_name in re.split(r"[/?#]", v):
+                continue
+            if suffix is not None:
+                v = suffix.sub(replica_name("", "*"), v)
+        key[k] = v
+    return key
+
+
+def group_replicas(runs: Sequence[Run]) -> tuple[list[ReplicaGroup], list[Run]]:
+    """The runs as groups of seed replicas (equal `replica_key`), in the order of their first run, and
+    the runs left out: those without params (an experiment's parent run holds per-stage summaries)."""
+    params = _inherited_params(runs)
+    groups: dict[tuple, ReplicaGroup] = {}
+    left_out = []
+    for r in runs:
+        if not params[r.info.run_id]:
+            left_out.append(r)
+            continue
+        name = r.info.run_name or ""
+        key = replica_key(name, params[r.info.run_id])
+        group = groups.setdefault(tuple(sorted(key.items())), ReplicaGroup("", key, []))
+        group.runs.append(r)
+    for group in groups.values():
+        group.label = ",".join(dict.fromkeys(_stage_name(r, params[r.info.run_id]) for r in group.runs))
+    return list(groups.values()), left_out
+
+
+def _stage_name(run: Run, params: dict[str, str]) -> str:
+    """The run's name without its replica suffix: pretrain_s0 -> pretrain."""
+    from pipeline.config import replica_name
+
+    name = run.info.run_name or run.info.run_id[:8]
+    seed = params.get(SEED_PARAM)
+    return name if seed is None else name.removesuffix(replica_name("", seed)) or name
+
+
+def mean_se(values: Sequence[float], size: int) -> MeanSE | None:
+    """Mean and standard error of the mean (sample std, ddof 1, over sqrt(n)); no error for one value.
+    A NaN (a run that diverged) makes both NaN rather than being dropped."""
+    n = len(values)
+    if n == 0:
+        return None
+    mean = math.fsum(values) / n
+    se = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1) / n) if n > 1 else None
+    return MeanSE(mean, se, n, size)
+
+
+def build_group_table(
+    client: MlflowClient, groups: Sequence[ReplicaGroup], metrics: Sequence[str], agg: str
+) -> Table:
+    """One row per group: its runs, n, the params that differ between groups, per metric the mean and
+    standard error of the runs' values (each run's history reduced by `agg` first)."""
+    keys = sorted({k for g in groups for k in g.key})
+    params = [k for k in keys if len({g.key.get(k) for g in groups}) > 1]
+    suffix = "" if agg == "final" else f" [{agg}]"
+    columns = ["runs", "n", *params, *(m + suffix for m in metrics)]
+    rows: list[list[Cell]] = []
+    for g in groups:
+        row: list[Cell] = [g.label, len(g.runs), *(g.key.get(p) for p in params)]
+        for m in metrics:
+            values = [aggregate(client, r, m, agg) for r in g.runs]
+            row.append(mean_se([v for v in values if v is not None], len(g.runs)))
+        rows.append(row)
+    kinds = ["run", "n", *(["param"] * len(params)), *(["metric"] * len(metrics))]
+    ids = [" ".join(r.info.run_id for r in g.runs) for g in groups]
+    return Table(columns, rows, ids, kinds, grouped=True)
 
 
 # ---------------------------------------------------------------- fitting a terminal
@@ -389,7 +535,9 @@ def cut_cell(text: str, limit: int = MAX_CELL) -> str:
 def _select(table: Table, keep: Sequence[int]) -> Table:
     keep = sorted(keep)
     rows = [[row[i] for i in keep] for row in table.rows]
-    return Table([table.columns[i] for i in keep], rows, table.run_ids, [table.kinds[i] for i in keep])
+    return replace(
+        table, columns=[table.columns[i] for i in keep], rows=rows, kinds=[table.kinds[i] for i in keep]
+    )
 
 
 def fit_table(table: Table, width: int | None, metrics_first: bool) -> tuple[Table, list[str], list[str]]:
@@ -405,13 +553,13 @@ def fit_table(table: Table, width: int | None, metrics_first: bool) -> tuple[Tab
     locational = [table.columns[i] for i in sorted(dropped)]
     if width is None:
         return _select(table, [i for i in range(len(table.columns)) if i not in dropped]), locational, []
-    cut_rows = [[v if isinstance(v, float | None) else cut_cell(str(v)) for v in row] for row in table.rows]
-    table = Table(table.columns, cut_rows, table.run_ids, table.kinds)
+    cut_rows = [[cut_cell(v) if isinstance(v, str) else v for v in row] for row in table.rows]
+    table = replace(table, rows=cut_rows)
 
     def col_width(i: int) -> int:
         return max([len(table.columns[i]), *(len(_text(row[i], table.columns[i])) for row in table.rows)])
 
-    keep = [i for i, kind in enumerate(table.kinds) if kind in TEXT_COLUMNS]
+    keep = [i for i, kind in enumerate(table.kinds) if kind in (*TEXT_COLUMNS, "n")]
     used = sum(col_width(i) for i in keep) + 2 * (len(keep) - 1)
     metrics = [i for i, kind in enumerate(table.kinds) if kind == "metric"]
     params = sorted(
@@ -452,6 +600,8 @@ def left_out_note(locational: Sequence[str], left_out: Sequence[str], width: int
 def _text(value: Cell, column: str) -> str:
     if value is None:
         return MISSING
+    if isinstance(value, MeanSE):
+        return _mean_se_text(value)
     if column == "id":
         return str(value)[:8]
     if isinstance(value, float):
@@ -459,20 +609,34 @@ def _text(value: Cell, column: str) -> str:
     return str(value)
 
 
-TEXT_COLUMNS = ("run", "id", "parent")  # left-aligned even when a name or hex id parses as a number
+def _mean_se_text(value: MeanSE) -> str:
+    """`0.853 ± 0.012`: the error to two significant digits and the mean to the same decimal place;
+    `± -` for one run (no error); `(n=2)` when not every run of the group has the metric."""
+    mean, se = value.mean, value.se
+    if se is None or not (math.isfinite(mean) and math.isfinite(se)):
+        text = f"{_text(mean, '')} ± {MISSING}"  # one run, or a NaN (a diverged run) in the mean
+    elif se == 0:
+        text = f"{_text(mean, '')} ± 0"
+    else:
+        decimals = min(15, max(0, 1 - math.floor(math.log10(se))))
+        text = f"{mean:.{decimals}f} ± {se:.{decimals}f}"
+    return text if value.n == value.size else f"{text} (n={value.n})"
 
 
-def _numeric(column: str, cells: Sequence[str]) -> bool:
-    present = [c for c in cells if c != MISSING]
-    return column not in TEXT_COLUMNS and bool(present) and all(_sort_key(c)[0] == 0 for c in present)
+TEXT_COLUMNS = ("run", "id", "parent", "runs")  # left-aligned even when a name or hex id parses as a number
+
+
+def _numeric(column: str, values: Sequence[Cell]) -> bool:
+    present = [v for v in values if v is not None]
+    return column not in TEXT_COLUMNS and bool(present) and all(_sort_key(v)[0] == 0 for v in present)
 
 
 def render_table(table: Table) -> str:
-    """Aligned plain text for a terminal: numbers right-aligned, text left-aligned."""
+    """Aligned plain text for a terminal: numbers (and means ± errors) right-aligned, text left-aligned."""
     cells = [[_text(v, c) for v, c in zip(row, table.columns)] for row in table.rows]
     cols = list(zip(*cells)) if cells else [() for _ in table.columns]
     widths = [max([len(h), *map(len, col)]) for h, col in zip(table.columns, cols)]
-    right = [_numeric(h, col) for h, col in zip(table.columns, cols)]
+    right = [_numeric(h, [row[i] for row in table.rows]) for i, h in enumerate(table.columns)]
 
     def line(items: Sequence[str]) -> str:
         return "  ".join(s.rjust(w) if r else s.ljust(w) for s, w, r in zip(items, widths, right)).rstrip()
@@ -482,21 +646,54 @@ def render_table(table: Table) -> str:
 
 def render_markdown(table: Table) -> str:
     cells = [[_text(v, c).replace("|", r"\|") for v, c in zip(row, table.columns)] for row in table.rows]
-    cols = list(zip(*cells)) if cells else [() for _ in table.columns]
-    align = ["---:" if _numeric(h, col) else "---" for h, col in zip(table.columns, cols)]
+    numeric = [_numeric(h, [row[i] for row in table.rows]) for i, h in enumerate(table.columns)]
+    align = ["---:" if right else "---" for right in numeric]
     rows = [table.columns, align, *cells]
     return "\n".join("| " + " | ".join(r) + " |" for r in rows)
 
 
+def _csv_value(value: Cell) -> str | int:
+    return "" if value is None else repr(value) if isinstance(value, float) else value
+
+
 def render_csv(table: Table) -> str:
-    """Full run ids and full-precision numbers; an absent value is an empty field."""
+    """Full run ids and full-precision numbers; an absent value is an empty field. A grouped table has
+    three columns per metric, METRIC (the mean), METRIC_se and METRIC_n (runs in the mean), and the
+    group's run ids last."""
+    if table.grouped:
+        return _render_grouped_csv(table)
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(table.columns)
     for row, run_id in zip(table.rows, table.run_ids):
-        out = ["" if v is None else repr(v) if isinstance(v, float) else v for v in row]
+        out = [_csv_value(v) for v in row]
         out[table.columns.index("id")] = run_id
         writer.writerow(out)
+    return buf.getvalue().rstrip("\n")
+
+
+def _render_grouped_csv(table: Table) -> str:
+    def with_suffix(column: str, suffix: str) -> str:  # "eval/map [best]" -> "eval/map_se [best]"
+        name, sep, agg = column.partition(" [")
+        return f"{name}{suffix}{sep}{agg}"
+
+    header: list[str] = []
+    for column, kind in zip(table.columns, table.kinds):
+        extra = [with_suffix(column, "_se"), with_suffix(column, "_n")] if kind == "metric" else []
+        header += [column, *extra]
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow([*header, "run_ids"])
+    for row, run_ids in zip(table.rows, table.run_ids):
+        out: list[str | int] = []
+        for value, kind in zip(row, table.kinds):
+            if kind != "metric":
+                out.append(_csv_value(value))
+            elif value is None:
+                out += ["", "", 0]
+            else:
+                out += [_csv_value(value.mean), _csv_value(value.se), value.n]
+        writer.writerow([*out, run_ids])
     return buf.getvalue().rstrip("\n")
 
 
@@ -585,6 +782,12 @@ def add_compare_parser(sub) -> argparse.ArgumentParser:
         default="final",
         help="value per run: final step, min, max, or best (min for *loss*, else max); default final",
     )
+    p.add_argument(
+        "--over-seeds",
+        action="store_true",
+        help="one row per configuration: runs equal but for seed, name and output paths (an experiment's "
+        "seeds: replicas X_s0, X_s1, ...) grouped, each metric as mean ± standard error, with n",
+    )
     p.add_argument("--sort", metavar="COLUMN", help="sort rows by this metric (or param) column")
     p.add_argument("--desc", action="store_true", help="sort in descending order")
     p.add_argument("--format", choices=FORMATS, default="table", help="output format")
@@ -614,19 +817,31 @@ def run(args: argparse.Namespace) -> int:
         uri = resolve_tracking_uri(args.tracking_uri, args.experiment)
         client = open_client(uri)
         runs = select_runs(client, uri, args.experiment, args.filter, args.run, not args.no_children)
+        notes = []
+        if args.over_seeds:
+            groups, without_params = group_replicas(runs)
+            if without_params:
+                names = [r.info.run_name or r.info.run_id[:8] for r in without_params]
+                note = f"not grouped (no params, e.g. an experiment's parent run): {_listing(names)}"
+                notes.append(textwrap.fill(note, args.width, subsequent_indent="  ", break_on_hyphens=False))
+            if not groups:
+                raise CompareError("--over-seeds: no chosen run has params to group by")
+            runs = [r for g in groups for r in g.runs]
         metrics = choose_metrics(runs, args.metric)
         if args.plot:
             choose_metrics(runs, [args.plot])  # the same one-line error when no run has it
-        table = build_table(client, runs, metrics, args.agg)
+        if args.over_seeds:
+            table = build_group_table(client, groups, metrics, args.agg)
+        else:
+            table = build_table(client, runs, metrics, args.agg)
         if args.sort:
             table = sort_table(table, args.sort, args.desc)
-        note = ""
         if not args.wide and args.format != "csv":
             width = args.width if args.format == "table" else None
             table, locational, left_out = fit_table(table, width, metrics_first=bool(args.metric))
-            note = left_out_note(locational, left_out, width)
+            notes.append(left_out_note(locational, left_out, width))
         print(RENDERERS[args.format](table))
-        if note:
+        for note in filter(None, notes):
             print(note, file=sys.stderr)
         if args.plot:
             title = f"{args.plot} ({', '.join(args.experiment)})" if args.experiment else args.plot

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import io
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ from pipeline.compare import (
     cut_cell,
     main,
     path_like,
+    replica_key,
     resolve_tracking_uri,
 )
 
@@ -450,3 +452,203 @@ def test_vitpipe_compare_command(store):
     )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "vitpipe compare: no experiment named 'nope'" in bad.stderr
+
+
+# ---------------------------------------------------------------- seed replicas: --over-seeds
+
+# An experiment run with `seeds: [0, 1, 2]`, shaped as cluster.run logs it: a parent run without params
+# (per-stage summaries as metrics) and, per seed, nested stage runs named STAGE_sK whose run_dir,
+# checkpoint.uri and (for finetune) init_from name their own seed's replicas. Two variants on every seed
+# (finetune from the pretrain export, scratch without), a third (probe) on seed 0 only; scratch_s2 has
+# no few-shot metric.
+SEED_RUNS = {  # stage: (optim.lr, init_from stage, {seed: (eval/top1, fewshot/10shot)})
+    "finetune": ("0.005", "pretrain", {0: (0.80, 0.5), 1: (0.83, 0.6), 2: (0.86, 0.7)}),
+    "scratch": ("0.005", None, {0: (0.70, 0.40), 1: (0.74, 0.44), 2: (0.72, None)}),
+    "probe": ("0.001", "pretrain", {0: (0.65, 0.3)}),
+}
+# By hand: finetune top-1 mean 0.83, sample std 0.03, se 0.03 / sqrt(3) = 0.01732; few-shot 0.6, std 0.1,
+# se 0.05774. scratch top-1 0.72, std 0.02, se 0.01155; few-shot of 2 runs 0.42, std 0.02 * sqrt(2),
+# se 0.02. probe: one run, no error.
+SEED_TABLE = [
+    ["runs", "n", "optim.lr", "eval/top1", "fewshot/10shot"],
+    ["finetune", "3", "0.005", "0.830 ± 0.017", "0.600 ± 0.058"],
+    ["scratch", "3", "0.005", "0.720 ± 0.012", "0.420 ± 0.020 (n=2)"],
+    ["probe", "1", "0.001", "0.65 ± -", "0.3 ± -"],
+]
+
+
+@pytest.fixture(scope="module")
+def seeds_store(tmp_path_factory) -> dict[str, str]:
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric, Param
+
+    root = tmp_path_factory.mktemp("mlflow_seeds")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("seeds", artifact_location=(root / "artifacts").as_uri())
+    runs = "/work/main/runs/seeds"
+    parent = client.create_run(exp, start_time=1_000, run_name="seeds").info.run_id
+    client.log_metric(parent, "finetune_s0/top1", 0.8)
+    ids = {"uri": uri, "seeds": parent}
+    start = 2_000
+    for seed in (0, 1, 2):
+        for stage, (lr, init, results) in SEED_RUNS.items():
+            if seed not in results:
+                continue
+            name = f"{stage}_s{seed}"
+            tags = {"mlflow.parentRunId": parent}
+            run_id = client.create_run(exp, start_time=start, tags=tags, run_name=name).info.run_id
+            start += 1_000
+            params = {
+                "name": name,
+                "seed": str(seed),
+                "run_dir": f"{runs}/{name}",
+                "checkpoint.uri": f"s3://bucket/seeds/{name}?endpoint_override=127.0.0.1:9000",
+                "tracking.uri": f"sqlite:///{runs}/mlflow.db",
+                "data.train": "/work/main/data/digits",
+                "model.init_from": f"{runs}/{init}_s{seed}/export" if init else "None",
+                "optim.lr": lr,
+            }
+            client.log_batch(run_id, params=[Param(k, v) for k, v in params.items()])
+            top1, fewshot = results[seed]
+            metrics = {"eval/top1": top1, **({} if fewshot is None else {"fewshot/10shot": fewshot})}
+            client.log_batch(run_id, metrics=[Metric(k, v, 1, 1) for k, v in metrics.items()])
+            client.set_terminated(run_id)
+            ids[name] = run_id
+    client.set_terminated(parent)
+    return ids
+
+
+def parse_cells(text: str) -> list[list[str]]:
+    """Plain-text table -> rows of cells; columns are 2+ spaces apart (a `mean ± se` cell has single ones)."""
+    lines = text.strip().splitlines()
+    assert set(lines[1].replace(" ", "")) == {"-"}
+    return [re.split(r"\s{2,}", line.strip()) for line in [lines[0], *lines[2:]]]
+
+
+def test_over_seeds_table_has_mean_and_standard_error_per_group(seeds_store, capsys):
+    rc, out, err = compare(seeds_store, capsys, "--experiment", "seeds", "--over-seeds")
+    assert rc == 0, err
+    # Replicas grouped although name, run_dir, checkpoint.uri and init_from differ per seed; finetune and
+    # scratch apart although they differ only in init_from (a path: not shown, but not set aside).
+    assert parse_cells(out) == SEED_TABLE
+    lines = out.strip().splitlines()
+    assert len({len(line) for line in lines}) == 1, lines  # numbers and means right-aligned
+    note = " ".join(err.split())
+    assert "not grouped (no params, e.g. an experiment's parent run): seeds" in note
+    assert "model.init_from" in note  # a path column, left out of the fitted table as without the flag
+
+
+def test_over_seeds_wide_shows_the_normalised_init_from_and_no_seed_or_locations(seeds_store, capsys):
+    _, out, _ = compare(seeds_store, capsys, "--experiment", "seeds", "--over-seeds", "--wide")
+    header, *rows = parse_cells(out)
+    assert header == ["runs", "n", "model.init_from", "optim.lr", "eval/top1", "fewshot/10shot"]
+    assert [row[2] for row in rows] == [
+        "/work/main/runs/seeds/pretrain_s*/export",
+        "None",
+        "/work/main/runs/seeds/pretrain_s*/export",
+    ]
+
+
+def test_over_seeds_sorts_by_the_mean(seeds_store, capsys):
+    _, out, _ = compare(seeds_store, capsys, "--experiment", "seeds", "--over-seeds", "--sort", "eval/top1")
+    assert [row[0] for row in parse_cells(out)[1:]] == ["probe", "scratch", "finetune"]
+    argv = ["--experiment", "seeds", "--over-seeds", "--sort", "fewshot/10shot", "--desc"]
+    _, out, _ = compare(seeds_store, capsys, *argv)
+    assert [row[0] for row in parse_cells(out)[1:]] == ["finetune", "scratch", "probe"]
+
+
+def test_over_seeds_markdown(seeds_store, capsys):
+    rc, out, _ = compare(seeds_store, capsys, "--experiment", "seeds", "--over-seeds", "--format", "markdown")
+    assert rc == 0
+    assert out.strip().splitlines() == [
+        "| " + " | ".join(SEED_TABLE[0]) + " |",
+        "| --- | ---: | ---: | ---: | ---: |",
+        *("| " + " | ".join(row) + " |" for row in SEED_TABLE[1:]),
+    ]
+
+
+def test_over_seeds_csv_has_mean_se_and_n_columns(seeds_store, capsys):
+    rc, out, _ = compare(seeds_store, capsys, "--experiment", "seeds", "--over-seeds", "--format", "csv")
+    assert rc == 0
+    reader = csv.DictReader(io.StringIO(out))
+    assert reader.fieldnames == [
+        "runs",
+        "n",
+        "model.init_from",
+        "optim.lr",
+        "eval/top1",
+        "eval/top1_se",
+        "eval/top1_n",
+        "fewshot/10shot",
+        "fewshot/10shot_se",
+        "fewshot/10shot_n",
+        "run_ids",
+    ]
+    rows = {r["runs"]: r for r in reader}
+    finetune, scratch, probe = rows["finetune"], rows["scratch"], rows["probe"]
+    assert finetune["n"] == "3" and finetune["eval/top1_n"] == "3"
+    assert float(finetune["eval/top1"]) == pytest.approx(0.83)
+    assert float(finetune["eval/top1_se"]) == pytest.approx(0.03 / 3**0.5)
+    assert float(finetune["fewshot/10shot_se"]) == pytest.approx(0.1 / 3**0.5)
+    assert float(scratch["eval/top1_se"]) == pytest.approx(0.02 / 3**0.5)
+    assert float(scratch["fewshot/10shot"]) == pytest.approx(0.42) and scratch["fewshot/10shot_n"] == "2"
+    assert float(scratch["fewshot/10shot_se"]) == pytest.approx(0.02)
+    assert probe["eval/top1"] == "0.65" and probe["eval/top1_se"] == "" and probe["eval/top1_n"] == "1"
+    assert finetune["run_ids"].split() == [seeds_store[f"finetune_s{k}"] for k in range(3)]
+    # An aggregation suffix stays at the end of each column name.
+    _, out, _ = compare(
+        seeds_store, capsys, "--experiment", "seeds", "--over-seeds", "--format", "csv", "--agg", "best"
+    )
+    assert "eval/top1 [best],eval/top1_se [best],eval/top1_n [best]" in out.splitlines()[0]
+
+
+def test_without_over_seeds_every_replica_is_a_row(seeds_store, capsys):
+    _, out, _ = compare(seeds_store, capsys, "--experiment", "seeds", "--metric", "eval/top1")
+    header, rows = parse_table(out)
+    assert "seed" in header and len(rows) == 8  # the parent and seven stage runs
+    assert rows["finetune_s1"]["eval/top1"] == "0.83"
+
+
+def test_over_seeds_needs_runs_with_params(seeds_store, capsys):
+    rc, _, err = compare(seeds_store, capsys, "--run", seeds_store["seeds"], "--no-children", "--over-seeds")
+    assert rc == 2 and "no chosen run has params to group by" in error_line(err)
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "expected"),
+    [
+        # The run's own places and name go, its seed goes, what it reads is kept with the suffix made `_s*`.
+        (
+            "finetune_s1",
+            {
+                "name": "finetune_s1",
+                "seed": "1",
+                "run_dir": "/r/e/finetune_s1",
+                "checkpoint.uri": "s3://b/e/finetune_s1?region=x",
+                "model.init_from": "/r/e/pretrain_s1/export",
+                "objective.teacher.weights": "s3://b/e/teacher_s1?region=x",
+                "optim.lr": "0.1",
+            },
+            {
+                "model.init_from": "/r/e/pretrain_s*/export",
+                "objective.teacher.weights": "s3://b/e/teacher_s*?region=x",
+                "optim.lr": "0.1",
+            },
+        ),
+        # Another seed's replica is a different input; `_s1` inside a segment is no replica suffix.
+        (
+            "finetune_s1",
+            {"seed": "1", "model.init_from": "/r/e/pretrain_s0/export", "data.train": "/d/cls_s1x"},
+            {"model.init_from": "/r/e/pretrain_s0/export", "data.train": "/d/cls_s1x"},
+        ),
+        # Runs named by hand (vitpipe train ... seed=1 name=lr-seed1): their run dir and store go too.
+        (
+            "lr-seed1",
+            {"name": "lr-seed1", "seed": "1", "tracking.uri": "sqlite:///runs/lr-seed1/mlflow.db"},
+            {},
+        ),
+    ],
+)
+def test_replica_key(name, params, expected):
+    assert replica_key(name, params) == expected
