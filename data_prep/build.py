@@ -218,6 +218,8 @@ def _finish(
         name=opts.name,
         num_inputs=report.num_inputs,
         num_errors=report.num_errors,
+        # Only a source that stores masks (synthetic --layout) has this: the other sources leave it out.
+        segmentation_classes=getattr(source, "segmentation_classes", None),
     )
     write_manifest(root, manifest)  # last: its presence marks the dataset complete
     report.manifest = manifest

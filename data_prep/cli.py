@@ -3,6 +3,7 @@
 vitpipe shard folder DIR OUT [--labels FILE] [--classes NAMES|FILE]
 vitpipe shard manifest FILE OUT [--classes NAMES|FILE]
 vitpipe shard synthetic OUT --num N --classes C [--labels-per-image 1.3] [--width 500 --height 375]
+vitpipe shard synthetic OUT --num N --layout [--objects 6] [--width 500 --height 375]   # + KEY.seg.png masks
 vitpipe shard digits OUT [--size 32]
 vitpipe shard verify OUT [--workers N]
 
@@ -26,6 +27,7 @@ from data_prep.sources.folder import FolderSource
 from data_prep.sources.labels import read_classes
 from data_prep.sources.synthetic import SyntheticSource
 from data_prep.sources.table import ManifestSource
+from data_prep.synthetic import LAYOUT_MAX_OBJECTS, LAYOUT_MIN_SIDE
 from data_prep.verify import verify_dataset
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
@@ -70,6 +72,13 @@ def _mean_labels(text: str) -> float:
     if f < 1.0:
         raise argparse.ArgumentTypeError(f"{f}: every image has at least one label; use 1 or more")
     return f
+
+
+def _object_types(text: str) -> int:
+    n = _positive(text)
+    if not 2 <= n <= LAYOUT_MAX_OBJECTS:
+        raise argparse.ArgumentTypeError(f"{n}: use 2..{LAYOUT_MAX_OBJECTS} object types")
+    return n
 
 
 def _shard_name(text: str) -> str:
@@ -172,7 +181,7 @@ def _print_report(r: BuildReport) -> int:
 
 
 def _run(source, args: argparse.Namespace) -> int:
-    options = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
+    options = {k: v for k, v in vars(args).items() if k not in ("func", "command", "parser")}
     command = "vitpipe " + shlex.join(sys.argv[1:])
     return _print_report(build_dataset(source, args.out, _options(args), command=command, options=options))
 
@@ -190,6 +199,18 @@ def _manifest(args: argparse.Namespace) -> int:
 
 
 def _synthetic(args: argparse.Namespace) -> int:
+    if args.layout and args.classes is not None:
+        args.parser.error(
+            f"--classes does not apply with --layout: its classes follow from --objects "
+            f"(3 * {args.objects} + 4 = {3 * args.objects + 4})"
+        )
+    if not args.layout and args.classes is None:
+        args.parser.error("--classes is required (or --layout)")
+    if args.layout and min(args.width, args.height) < LAYOUT_MIN_SIDE:
+        args.parser.error(
+            f"--layout needs images of at least {LAYOUT_MIN_SIDE} px on the shorter side, got "
+            f"{args.width}x{args.height}"
+        )
     source = SyntheticSource(
         args.num,
         args.classes,
@@ -197,6 +218,8 @@ def _synthetic(args: argparse.Namespace) -> int:
         labels_per_image=args.labels_per_image,
         width=args.width,
         height=args.height,
+        layout=args.layout,
+        objects=args.objects,
     )
     return _run(source, args)
 
@@ -252,11 +275,30 @@ def add_shard_parser(sub) -> argparse.ArgumentParser:
     s = src.add_parser("synthetic", parents=common, help="a generated JFT-like multi-label corpus")
     s.add_argument("out", help=OUT_HELP)
     s.add_argument("--num", type=_positive, required=True, help="images to generate")
-    s.add_argument("--classes", type=_positive, required=True, help="number of classes")
-    s.add_argument("--labels-per-image", type=_mean_labels, default=1.3, help="mean labels per image (>= 1)")
+    s.add_argument(
+        "--classes", type=_positive, default=None, help="number of classes (required without --layout)"
+    )
+    s.add_argument(
+        "--labels-per-image",
+        type=_mean_labels,
+        default=1.3,
+        help="mean labels per image (>= 1; not with --layout)",
+    )
     s.add_argument("--width", type=_positive, default=500, help="ImageNet-like default 500x375")
     s.add_argument("--height", type=_positive, default=375)
-    s.set_defaults(func=_synthetic)
+    s.add_argument(
+        "--layout",
+        action="store_true",
+        help="the layout corpus: labels say where objects are ({type}_top/_bottom, {type}_left_of_{next}, "
+        "crowded_{tl,tr,bl,br}: 3 * objects + 4 classes) and each image's object mask is stored as KEY.seg.png",
+    )
+    s.add_argument(
+        "--objects",
+        type=_object_types,
+        default=6,
+        help=f"object types of the layout corpus (2..{LAYOUT_MAX_OBJECTS}, default 6)",
+    )
+    s.set_defaults(func=_synthetic, parser=s)
 
     s = src.add_parser(
         "digits", parents=common, help="scikit-learn's bundled 8x8 digits (1,797), upsampled PNG"

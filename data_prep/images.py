@@ -35,7 +35,7 @@ import io
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from PIL import ExifTags, Image, ImageOps
@@ -99,6 +99,8 @@ class Prepared:
     width: int
     height: int
     labels: tuple[int, ...] | None = None  # drawn by a generator; None: the item's listed labels
+    # More members of the sample, stored after the image: tar member extension -> bytes ({"seg.png": ...})
+    extra: dict[str, bytes] = field(default_factory=dict)
 
 
 def fitted_size(width: int, height: int, resize_max: int | None) -> tuple[int, int]:
@@ -273,10 +275,29 @@ def prepare_encoded(data: bytes, resize_max: int | None, quality: int) -> Prepar
     return Prepared(out, ext, img.width, img.height)
 
 
+def encode_mask(mask: Image.Image, size: tuple[int, int]) -> bytes:
+    """A per-pixel class mask ("L") at `size` as lossless PNG: resized NEAREST, so its values stay the
+    original's (interpolating would invent classes along every edge)."""
+    if mask.mode != "L":
+        raise ValueError(f"a mask must be an 8-bit 'L' image, got mode {mask.mode}")
+    if mask.size != size:
+        mask = mask.resize(size, Image.Resampling.NEAREST)
+    buf = io.BytesIO()
+    mask.save(buf, format="PNG", compress_level=1)  # few values, long runs: small even at the fastest level
+    return buf.getvalue()
+
+
 def prepare_generated(
-    img: Image.Image, ext: str, resize_max: int | None, quality: int, labels: tuple[int, ...] | None = None
+    img: Image.Image,
+    ext: str,
+    resize_max: int | None,
+    quality: int,
+    labels: tuple[int, ...] | None = None,
+    masks: dict[str, Image.Image] | None = None,
 ) -> Prepared:
-    """A generated image: resize if asked, encode in its source's format."""
+    """A generated image: resize if asked, encode in its source's format. `masks` (member extension ->
+    an "L" image of the image's size, e.g. {"seg.png": objects}) go into `Prepared.extra` as PNG, at
+    the stored image's size exactly."""
     target = fitted_size(img.width, img.height, resize_max)
     with at_stage("convert", f"cannot convert a generated {img.mode} image to 8-bit RGB or L"):
         img = to_stored_mode(img)
@@ -284,4 +305,8 @@ def prepare_generated(
         img = resize_image(img, target)
     with at_stage("convert", f"cannot encode as {_ENCODER[ext]}"):
         data = encode(img, ext, quality)
-    return Prepared(data, ext, img.width, img.height, labels)
+    extra = {}
+    for member, mask in (masks or {}).items():
+        with at_stage("convert", f"cannot store the {member} mask at {img.width}x{img.height}"):
+            extra[member] = encode_mask(mask, img.size)
+    return Prepared(data, ext, img.width, img.height, labels, extra)

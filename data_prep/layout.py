@@ -4,12 +4,16 @@ OUT is a local folder or an object store prefix (s3://bucket/prefix; see dataset
 OUT/manifest.json            format version, class names, per-shard counts and sha256, totals per split
 OUT/index.parquet            one row per sample: the INDEX_COLUMNS below (schema: data_prep/index.py)
 OUT/errors.parquet           one row per rejected input: key, source, stage, reason (`vitpipe shard` only)
-OUT/{split}/{name}-{i:06d}.tar   plain WebDataset tar: KEY.jpg|png|webp + KEY.cls (single) or KEY.json (multi)
+OUT/{split}/{name}-{i:06d}.tar   plain WebDataset tar: KEY.jpg|png|webp [+ KEY.seg.png] + KEY.cls (single) or
+                             KEY.json (multi); KEY.seg.png, in datasets whose manifest lists
+                             `segmentation_classes`: the image's per-pixel class mask, lossless PNG
+                             "L" at the image's size, value i = segmentation_classes[i]
 OUT/.work/{split}/{name}-{i:06d}.json   per-shard sidecar: the plan's fingerprint, size, sha256, index rows;
                              how a re-run of `vitpipe shard` knows a shard is complete and skips it
 
 The manifest is written last: its presence marks the dataset complete. Fields added after format
-version 1 (`name`, `num_inputs`, `num_errors`) have defaults, so older manifests still read.
+version 1 (`name`, `num_inputs`, `num_errors`, `segmentation_classes`) have defaults, so older manifests
+still read; `segmentation_classes` is left out of manifest.json when a dataset has no masks.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ WORK = ".work"  # sidecars and scratch files of `vitpipe shard`; without it a re
 # place of `labels` (a list); `bytes` and `sha256` are the stored image's; `source` is what the sample was
 # made from, as a person reads it (a path, "synthetic:17"; "" where the writer was given bytes only).
 INDEX_COLUMNS = ("key", "split", "shard", "labels", "width", "height", "bytes", "sha256", "source")
+# A sample's per-pixel class mask: the tar member KEY.seg.png (manifest.json: segmentation_classes).
+MASK_EXT = "seg.png"
 
 
 class DatasetError(ValueError):
@@ -69,6 +75,8 @@ class Manifest:
     name: str = "shard"  # shard file prefix
     num_inputs: int = 0  # inputs listed, accepted or not (0: unknown, older writers)
     num_errors: int = 0  # inputs rejected; listed in errors.parquet
+    # The mask values' names (["background", ...]) where every sample has a KEY.seg.png mask, else None
+    segmentation_classes: list[str] | None = None
 
     @property
     def totals(self) -> dict[str, int]:
@@ -82,6 +90,8 @@ class Manifest:
 
     def to_json(self) -> str:
         d = asdict(self)
+        if d["segmentation_classes"] is None:  # no masks: manifest.json as it was before masks existed
+            del d["segmentation_classes"]
         d["totals"] = self.totals
         return json.dumps(d, indent=2)
 
@@ -121,6 +131,7 @@ def read_manifest(root: Root) -> Manifest:
         raise DatasetError(f"{path}: format_version {version!r}, this vitpipe reads {FORMAT_VERSION}")
     try:
         shards = [ShardInfo(**s) for s in d["shards"]]
+        segmentation = d.get("segmentation_classes")  # absent: a dataset without masks
         return Manifest(
             classes=list(d["classes"]),
             multi_label=bool(d["multi_label"]),
@@ -130,6 +141,7 @@ def read_manifest(root: Root) -> Manifest:
             name=d.get("name", "shard"),
             num_inputs=int(d.get("num_inputs", 0)),
             num_errors=int(d.get("num_errors", 0)),
+            segmentation_classes=None if segmentation is None else [str(c) for c in segmentation],
         )
     except (KeyError, TypeError) as exc:
         raise DatasetError(f"{path}: manifest lacks or misshapes a field ({exc})") from None

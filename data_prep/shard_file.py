@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from data_prep.dataset_dir import DatasetDir
 from data_prep.layout import INDEX_COLUMNS
@@ -30,6 +30,8 @@ class Sample:
     height: int
     split: str = "train"
     source: str = ""  # what it was made from (a path, "synthetic:17"), for index.parquet
+    # More members, stored after the image in this order: extension -> bytes ({"seg.png": mask PNG})
+    extra: dict[str, bytes] = field(default_factory=dict)
 
 
 @dataclass
@@ -42,7 +44,8 @@ class WrittenShard:
 
 def write_shard(out: DatasetDir, shard: str, samples: Iterable[Sample], multi_label: bool) -> WrittenShard:
     """Write `samples` as the tar `shard` (its path inside `out`, as the index names it): `KEY.EXT` with
-    the image, then `KEY.json` {"labels": [...]} or `KEY.cls`."""
+    the image, then each of `Sample.extra` as `KEY.{ext}` (`KEY.seg.png`), then `KEY.json`
+    {"labels": [...]} or `KEY.cls`."""
     tmp = out.staging(shard)
     rows: dict[str, list] = {c: [] for c in INDEX_COLUMNS}
     with open(tmp, "wb") as f:
@@ -50,6 +53,8 @@ def write_shard(out: DatasetDir, shard: str, samples: Iterable[Sample], multi_la
         with open_writer(hashed) as tar:
             for s in samples:
                 add_member(tar, f"{s.key}.{s.ext}", s.image)
+                for ext, data in s.extra.items():
+                    add_member(tar, f"{s.key}.{ext}", data)
                 if multi_label:
                     add_member(tar, f"{s.key}.json", json.dumps({"labels": s.labels}).encode())
                 else:

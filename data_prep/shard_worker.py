@@ -163,7 +163,9 @@ def write_planned_shard(task: ShardTask, job: ShardJob) -> ShardResult:
                 errors.append([item.key, item.source, img.stage, str(img)])
                 continue
             labels = list(item.labels if img.labels is None else img.labels)
-            yield Sample(item.key, img.data, img.ext, labels, img.width, img.height, task.split, item.source)
+            yield Sample(
+                item.key, img.data, img.ext, labels, img.width, img.height, task.split, item.source, img.extra
+            )
 
     # Every input rejected: no shard file, the sidecar still records the shard as done.
     try:

@@ -2,8 +2,10 @@
 
 Per shard: present, size and sha256 as recorded in manifest.json, a readable tar whose samples are
 (one image + one label) in WebDataset's key grouping, as many as recorded, every image decoding in
-full and every label a known class. Where the shard's sha256 is off, each sample is compared with its
-index.parquet row (image sha256, labels), which names the damaged keys.
+full and every label a known class. In a dataset whose manifest lists `segmentation_classes`, every
+sample also has its mask `KEY.seg.png`: mode "L", the image's size, every value a listed class.
+Where the shard's sha256 is off, each sample is compared with its index.parquet row (image sha256,
+labels), which names the damaged keys.
 
 vitpipe shard verify data/in1k --workers 8
 vitpipe shard verify s3://corpus/jft --workers 32     # on object storage: each shard read once, hashed on the way
@@ -25,7 +27,7 @@ from PIL import Image
 
 from data_prep.dataset_dir import DatasetDir
 from data_prep.images import STORED_FORMATS
-from data_prep.layout import INDEX, ShardInfo, read_manifest
+from data_prep.layout import INDEX, MASK_EXT, ShardInfo, read_manifest
 from data_prep.tario import REGULAR_FILE, tar_entries
 
 IMAGE_EXTS = set(STORED_FORMATS.values()) | {"jpeg"}
@@ -51,20 +53,55 @@ class ShardCheck:
     problems: list[Problem]
 
 
+def _mask_problem(data: bytes, image_size: tuple[int, int] | None, num_segmentation: int) -> str | None:
+    """Why `data` is not a valid KEY.seg.png for an image of `image_size` (None: unknown), else None."""
+    try:
+        with Image.open(io.BytesIO(data)) as mask:
+            mask.load()
+            if mask.mode != "L":
+                return f"mask {MASK_EXT} is mode {mask.mode}, expected L"
+            if image_size is not None and mask.size != image_size:
+                w, h = mask.size
+                return f"mask {MASK_EXT} is {w}x{h}, the image {image_size[0]}x{image_size[1]}"
+            top = mask.getextrema()[1]
+    except Exception as exc:  # any decoder failure is this sample's problem, not the verifier's
+        return f"mask {MASK_EXT} does not decode ({type(exc).__name__}: {exc})"
+    if top >= num_segmentation:
+        return f"mask {MASK_EXT} has value {top}, manifest.json lists {num_segmentation} segmentation_classes"
+    return None
+
+
 def _check_sample(
-    shard: str, key: str, parts: dict[str, bytes], num_classes: int, multi_label: bool
+    shard: str,
+    key: str,
+    parts: dict[str, bytes],
+    num_classes: int,
+    multi_label: bool,
+    num_segmentation: int | None = None,
 ) -> list[Problem]:
+    """`num_segmentation`: the manifest's segmentation classes, whose masks every sample must have."""
     out = []
     images = [e for e in parts if e in IMAGE_EXTS]
     label_ext = "json" if multi_label else "cls"
+    image_size = None
     if len(images) != 1:
         out.append(Problem(shard, key, f"expected one image member, found {sorted(parts)}"))
     else:
         try:
             with Image.open(io.BytesIO(parts[images[0]])) as img:
                 img.load()
+                image_size = img.size
         except Exception as exc:  # any decoder failure is this sample's problem, not the verifier's
             out.append(Problem(shard, key, f"image does not decode ({type(exc).__name__}: {exc})"))
+    if num_segmentation is not None:
+        if MASK_EXT not in parts:
+            out.append(
+                Problem(shard, key, f"no .{MASK_EXT} mask member (manifest.json lists segmentation_classes)")
+            )
+        else:
+            problem = _mask_problem(parts[MASK_EXT], image_size, num_segmentation)
+            if problem:
+                out.append(Problem(shard, key, problem))
     if label_ext not in parts:
         out.append(Problem(shard, key, f"no .{label_ext} label member"))
         return out
@@ -117,7 +154,9 @@ def _compare_with_index(
     return out
 
 
-def verify_shard(root: str, shard: ShardInfo, num_classes: int, multi_label: bool) -> ShardCheck:
+def verify_shard(
+    root: str, shard: ShardInfo, num_classes: int, multi_label: bool, num_segmentation: int | None = None
+) -> ShardCheck:
     try:
         out = DatasetDir(root)
         size = out.size(shard.path)
@@ -135,7 +174,7 @@ def verify_shard(root: str, shard: ShardInfo, num_classes: int, multi_label: boo
     def close(key: str, parts: dict[str, bytes]) -> None:
         nonlocal samples
         samples += 1
-        problems.extend(_check_sample(shard.path, key, parts, num_classes, multi_label))
+        problems.extend(_check_sample(shard.path, key, parts, num_classes, multi_label, num_segmentation))
         image = next((parts[e] for e in parts if e in IMAGE_EXTS), b"")
         try:
             labels = json.loads(parts["json"])["labels"] if multi_label else [int(parts["cls"])]
@@ -174,7 +213,11 @@ def verify_shard(root: str, shard: ShardInfo, num_classes: int, multi_label: boo
 
 def verify_dataset(root: str | Path, workers: int = 1) -> list[ShardCheck]:
     manifest = read_manifest(root)  # a missing or bad manifest is a DatasetError naming it
-    args = [(str(root), s, len(manifest.classes), manifest.multi_label) for s in manifest.shards]
+    segmentation = manifest.segmentation_classes
+    num_segmentation = None if segmentation is None else len(segmentation)
+    args = [
+        (str(root), s, len(manifest.classes), manifest.multi_label, num_segmentation) for s in manifest.shards
+    ]
     if workers <= 1 or len(args) <= 1:
         checks = [verify_shard(*a) for a in args]
     else:

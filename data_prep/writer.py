@@ -28,11 +28,13 @@ def write_dataset(
     max_count: int,
     name: str = "shard",
     options: dict | None = None,
+    segmentation_classes: list[str] | None = None,
 ) -> Manifest:
     """Stream samples into shards of at most `max_count` per split, then write index.parquet and manifest.json.
 
     Memory holds at most one open shard per split, whatever the corpus size. `root`: a folder or an
-    object store URI.
+    object store URI. `segmentation_classes`: the names of the mask values, for samples that carry a
+    mask (`Sample.extra["seg.png"]`, the layout corpus); recorded in the manifest.
     """
     out = DatasetDir(root)
     out.make()
@@ -42,6 +44,7 @@ def write_dataset(
         command=" ".join(shlex.quote(a) for a in sys.argv),
         options=dict(options or {}),
         name=name,
+        segmentation_classes=segmentation_classes,
     )
     shard_rows: list[dict[str, list]] = []
     buffers: dict[str, list[Sample]] = {}

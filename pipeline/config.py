@@ -39,6 +39,7 @@ from pydantic import (
 from data_prep import atomic
 from data_prep.dataset_dir import names_shards
 from data_prep.layout import DatasetError, read_manifest
+from data_prep.synthetic import LAYOUT_MAX_OBJECTS, LAYOUT_MIN_SIDE
 
 
 class ConfigError(ValueError):
@@ -113,12 +114,39 @@ class ModelConfig(_Section):
 
 class SyntheticDataConfig(_Section):
     num: int = Field(320, gt=0, description="Images to generate.")
-    classes: int = Field(8, gt=1, description="Number of classes.")
-    labels_per_image: float = Field(1.3, ge=1.0, description="Mean labels per image (multi-label corpus).")
+    classes: int = Field(
+        8, gt=1, description="Number of classes (not with layout, which has 3 * objects + 4 classes)."
+    )
+    labels_per_image: float = Field(
+        1.3, ge=1.0, description="Mean labels per image (multi-label corpus; not with layout)."
+    )
     width: int = Field(48, gt=0, description="Generated image width in pixels.")
     height: int = Field(40, gt=0, description="Generated image height in pixels.")
     max_count: int = Field(40, gt=0, description="Samples per shard.")
     val_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="Fraction held out as the val split.")
+    layout: bool = Field(
+        False,
+        description="Generate the layout corpus (`data_prep.synthetic`): 2-4 objects of `objects` types per "
+        "image, labelled by where they are ({type}_top, {type}_bottom, {type}_left_of_{next type}, "
+        "crowded_{tl,tr,bl,br}: 3 * objects + 4 classes, derived from objects; classes and labels_per_image "
+        "do not apply), each image with its per-pixel object mask (KEY.seg.png; the manifest's "
+        "segmentation_classes). Images need a shorter side of at least 16 px.",
+    )
+    objects: int = Field(
+        6,
+        ge=2,
+        le=LAYOUT_MAX_OBJECTS,
+        description="Object types of the layout corpus (a distinct shape and colour each).",
+    )
+
+    @model_validator(mode="after")
+    def _layout_fits(self) -> SyntheticDataConfig:
+        if self.layout and min(self.width, self.height) < LAYOUT_MIN_SIDE:
+            raise ValueError(
+                f"layout images of {self.width}x{self.height} px: the shorter side must be at least "
+                f"{LAYOUT_MIN_SIDE} (objects are 1/5 to 1/3 of it)"
+            )
+        return self
 
 
 class DataConfig(_Section):

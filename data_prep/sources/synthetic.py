@@ -1,7 +1,8 @@
-"""The generated JFT-like corpus (`data_prep.synthetic`) as a source: items are image indices,
+"""The generated JFT-like corpora (`data_prep.synthetic`) as a source: items are image indices,
 workers draw the pixels, so nothing but (key, labels) crosses a process boundary.
 
 vitpipe shard synthetic data/syn --num 100000 --classes 100 --labels-per-image 1.3
+vitpipe shard synthetic data/layout --num 100000 --layout --objects 6    # + KEY.seg.png object masks
 """
 
 from __future__ import annotations
@@ -11,7 +12,16 @@ from dataclasses import asdict, dataclass
 
 from data_prep.images import Prepared, prepare_generated
 from data_prep.sources import Item, ListingError
-from data_prep.synthetic import class_names, render, synthetic_key
+from data_prep.synthetic import (
+    MASK_EXT,
+    check_layout,
+    class_names,
+    layout_class_names,
+    render,
+    render_layout,
+    segmentation_class_names,
+    synthetic_key,
+)
 
 
 @dataclass(frozen=True)
@@ -22,9 +32,14 @@ class SyntheticLoader:
     width: int
     height: int
     quality: int  # the generator's JPEG quality (90, as `synthetic_samples`), not --quality
+    layout: bool = False  # the layout corpus, with masks; num_classes and labels_per_image do not apply
+    objects: int = 6  # its object types
 
     def load(self, item: Item, resize_max: int | None, quality: int) -> Prepared:
         index = int(item.source.rsplit(":", 1)[1])
+        if self.layout:
+            img, mask, labels = render_layout(index, self.seed, self.objects, self.width, self.height)
+            return prepare_generated(img, "jpg", resize_max, self.quality, tuple(labels), {MASK_EXT: mask})
         img, labels = render(
             index, self.seed, self.num_classes, self.labels_per_image, self.width, self.height
         )
@@ -41,20 +56,40 @@ class SyntheticSource:
     def __init__(
         self,
         num: int,
-        num_classes: int,
+        num_classes: int | None,
         seed: int = 0,
         labels_per_image: float = 1.3,
         width: int = 500,
         height: int = 375,
+        layout: bool = False,
+        objects: int = 6,
     ):
-        self._loader = SyntheticLoader(seed, num_classes, labels_per_image, width, height, quality=90)
+        """`layout`: the layout corpus of `objects` types, its classes and masks; `num_classes` (None is
+        fine) and `labels_per_image` do not apply to it."""
+        if layout:
+            check_layout(objects, width, height)
+            self.classes = layout_class_names(objects)
+            self.segmentation_classes: list[str] | None = segmentation_class_names(objects)
+            num_classes, labels_per_image = len(self.classes), 1.0  # fixed: not part of what it draws
+        else:
+            if num_classes is None:
+                raise ValueError("the synthetic corpus needs a number of classes (or layout=True)")
+            self.classes = class_names(num_classes)
+            self.segmentation_classes = None
+        self._loader = SyntheticLoader(
+            seed, num_classes, labels_per_image, width, height, quality=90, layout=layout, objects=objects
+        )
         self.num = num
-        self.classes = class_names(num_classes)
         # Measured on this generator's noise texture at quality 90: about 0.36 bytes per pixel at 500x375.
-        self._est = 600 + int(0.4 * width * height)
+        # A layout mask's member: its 512-byte tar header and a PNG of long runs, which grows with the
+        # rows and the edges rather than the area (measured: 0.2 kB at 48x40, 2.2 kB at 500x375).
+        self._est = 600 + int(0.4 * width * height) + (600 + 4 * (width + height) if layout else 0)
 
     def describe(self) -> dict:
-        return {"kind": self.kind, **asdict(self._loader)}
+        d = {"kind": self.kind, **asdict(self._loader)}
+        if not self._loader.layout:  # as before the layout corpus existed: its shards stay complete
+            del d["layout"], d["objects"]
+        return d
 
     def count_hint(self) -> int | None:
         return self.num

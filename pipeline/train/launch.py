@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 
 from data_prep.layout import has_dataset
-from data_prep.synthetic import class_names, synthetic_samples
+from data_prep.synthetic import class_names, layout_class_names, segmentation_class_names, synthetic_samples
 from data_prep.writer import write_dataset
 from pipeline.config import ConfigError, StageConfig, check_inputs, load_config
 from pipeline.eval.run import evaluate  # light: matplotlib loads only when a figure is drawn
@@ -21,7 +21,8 @@ from pipeline.train.loop import StageResult, train
 
 
 def prepare_data(cfg: StageConfig) -> None:
-    """Generate the configured synthetic corpus once, before any rank starts (no-op if present)."""
+    """Generate the configured synthetic corpus once, before any rank starts (no-op if present); the
+    layout corpus (`layout: true`) with its masks and the manifest's segmentation_classes."""
     syn = cfg.data.synthetic
     if syn is None or has_dataset(cfg.data.train):
         return
@@ -33,14 +34,17 @@ def prepare_data(cfg: StageConfig) -> None:
         width=syn.width,
         height=syn.height,
         val_fraction=syn.val_fraction,
+        layout=syn.layout,
+        objects=syn.objects,
     )
     write_dataset(
         cfg.data.train,
         samples,
-        class_names(syn.classes),
+        layout_class_names(syn.objects) if syn.layout else class_names(syn.classes),
         multi_label=True,
         max_count=syn.max_count,
         options=syn.model_dump(),
+        segmentation_classes=segmentation_class_names(syn.objects) if syn.layout else None,
     )
 
 
