@@ -56,6 +56,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pipeline.tracking import replica_name
+
 if TYPE_CHECKING:
     from mlflow import MlflowClient
     from mlflow.entities import Run
@@ -413,8 +415,6 @@ def replica_key(run_name: str, params: dict[str, str]) -> dict[str, str]:
     instead, so that replicas reading their own seed's earlier stage agree and runs reading different
     stages do not.
     """
-    from pipeline.config import replica_name  # the one definition of the suffix; pydantic loads here
-
     seed = params.get(SEED_PARAM)
     suffix = None if seed is None else re.compile(re.escape(replica_name("", seed)) + r"(?=[/?#]|$)")
     key = {}
@@ -451,8 +451,6 @@ def group_replicas(runs: Sequence[Run]) -> tuple[list[ReplicaGroup], list[Run]]:
 
 def _stage_name(run: Run, params: dict[str, str]) -> str:
     """The run's name without its replica suffix: pretrain_s0 -> pretrain."""
-    from pipeline.config import replica_name
-
     name = run.info.run_name or run.info.run_id[:8]
     seed = params.get(SEED_PARAM)
     return name if seed is None else name.removesuffix(replica_name("", seed)) or name

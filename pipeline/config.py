@@ -40,6 +40,7 @@ from data_prep import atomic
 from data_prep.dataset_dir import names_shards
 from data_prep.layout import DatasetError, read_manifest
 from data_prep.synthetic import LAYOUT_MAX_OBJECTS, LAYOUT_MIN_SIDE
+from pipeline.tracking import replica_name
 
 
 class ConfigError(ValueError):
@@ -215,10 +216,18 @@ class TeacherConfig(_Section):
 
 class ObjectiveConfig(_Section):
     name: Literal[
-        "supervised_softmax", "supervised_sigmoid", "mae", "simmim", "masked_patch_prediction", "distill"
+        "supervised_softmax",
+        "supervised_sigmoid",
+        "mae",
+        "simmim",
+        "masked_patch_prediction",
+        "distill",
+        "segmentation",
     ] = Field(
         "supervised_softmax",
-        description="Training objective; mae needs an mae_* model, simmim a simmim_* model (Swin, CvT, TNT).",
+        description="Training objective; mae needs an mae_* model, simmim a simmim_* model (Swin, CvT, TNT), "
+        "segmentation a setr_* model and a dataset with masks (per-pixel cross-entropy; its eval stage reports "
+        "mIoU and pixel accuracy).",
     )
     label_smoothing: float = Field(0.0, ge=0.0, lt=1.0, description="Label smoothing (softmax and distill).")
     head_bias_init: float | None = Field(
@@ -432,6 +441,23 @@ class StageConfig(_Section):
                 f"model.patch_dropout is for supervised training ({', '.join(PATCH_DROPOUT_OBJECTIVES)}); "
                 f"objective {self.objective.name} sees every patch (MAE drops its own)"
             )
+        segmenter = self.model.name.startswith("setr_")
+        if (self.objective.name == "segmentation") != segmenter:
+            raise ValueError(
+                "objective segmentation needs a SETR model (model.name: setr_pup_vit_b16, setr_naive_vit_debug, ...)"
+                if not segmenter
+                else f"model {self.model.name} is a segmentation model: set objective.name: segmentation"
+            )
+        if segmenter and self.data.synthetic is not None and not self.data.synthetic.layout:
+            raise ValueError(
+                "objective segmentation needs masks: data.synthetic generates them only with layout: true"
+            )
+        if segmenter and self.data.randaugment is not None:
+            raise ValueError(
+                "objective segmentation has no RandAugment (its ops would move pixels off their masks)"
+            )
+        if segmenter and self.data.decode == "cuda":
+            raise ValueError("objective segmentation decodes its masks on the CPU: set data.decode: cpu")
         if self.deepspeed.offload_params and self.deepspeed.zero_stage != 3:
             raise ValueError("deepspeed.offload_params needs deepspeed.zero_stage: 3")
         if self.optim.warmup_steps > self.optim.steps:
@@ -940,15 +966,6 @@ def _replaced(d: dict, keys: tuple[str, ...], value: Any) -> dict:
     return {**d, head: _replaced(d[head], tuple(rest), value) if rest else value}
 
 
-REPLICA_SUFFIX = "_s{seed}"  # under `seeds:`, stage STAGE's run for seed K is STAGE_sK (compare reads it)
-
-
-def replica_name(stage: str, seed: int | str) -> str:
-    """Stage `stage`'s replica for `seed` under `seeds:` (`pretrain` -> `pretrain_s0`): its name, run
-    directory and MLflow run name. A name ends in one suffix, so two (stage, seed) pairs never share one."""
-    return stage + REPLICA_SUFFIX.format(seed=seed)
-
-
 def load_experiment(path: str | os.PathLike, overrides: list[str] | None = None) -> Experiment:
     """Read an experiment file (one stage, or `stages`), apply dotted overrides, validate every stage;
     with `seeds`, every stage once per seed (see `ExperimentFile`)."""
@@ -1055,6 +1072,11 @@ def _dataset_problem(source: str, splits: list[str], masks: bool = False) -> str
         if not manifest.split_shards(split):
             shown = source.split("?", 1)[0]  # an object store URI's query (endpoint) is not worth showing
             return f"{shown}: the manifest lists no shards for split {split!r} (it has: {', '.join(present)})"
+    if masks and manifest.segmentation_classes is None:
+        return (
+            f"{source.split('?', 1)[0]}: objective segmentation needs per-pixel masks, and this dataset has none "
+            "(its manifest lists no segmentation_classes); write one with masks, e.g. vitpipe shard synthetic --layout"
+        )
     return None
 
 
@@ -1073,7 +1095,7 @@ def input_problems(target: Experiment | StageConfig) -> list[str]:
         splits = ["train"] if cfg.kind == "train" else [e.eval_split]
         if cfg.kind == "eval" and (e.fewshot_shots or e.linear_probe):
             splits.append(e.train_split)
-        problem = _dataset_problem(cfg.data.train, splits)
+        problem = _dataset_problem(cfg.data.train, splits, masks=cfg.objective.name == "segmentation")
         if problem:
             stages_with.setdefault(problem, []).append(name)
     return [

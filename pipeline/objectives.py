@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.config import ObjectiveConfig
+from pipeline.data.batching import MASK_IGNORE
 from pipeline.data.transforms import mixup_cutmix, normalize
 from pipeline.models import create_model
 from pipeline.models.masked_patch import mean_colour_classes
@@ -245,6 +246,37 @@ class Distillation:
         }
 
 
+class Segmentation:
+    """Semantic segmentation (SETR): per-pixel softmax cross-entropy against the batch's masks.
+
+    The loader's masks ([B, H, W] uint8, class per pixel) follow the image's crop and flip; pixels marked
+    MASK_IGNORE count in no loss or metric. The model's classes are the dataset's segmentation classes.
+    """
+
+    name = "segmentation"
+
+    def __init__(self, cfg: ObjectiveConfig):
+        self.cfg = cfg
+
+    @staticmethod
+    def model_kwargs(cfg: ObjectiveConfig, num_classes: int) -> dict:
+        return {"num_classes": num_classes}
+
+    def prepare(self, model, device) -> None:
+        pass
+
+    def loss(self, model, batch):
+        logits = model(_pixels(model, batch["image"])).float()  # [B, K, H, W]
+        target = batch["mask"].long()  # [B, H, W]
+        loss = F.cross_entropy(
+            logits, target, ignore_index=MASK_IGNORE, label_smoothing=self.cfg.label_smoothing
+        )
+        counted = target != MASK_IGNORE
+        hits = (logits.argmax(1) == target) & counted
+        acc = hits.float().sum() / counted.float().sum().clamp_min(1.0)
+        return loss, {"pixel_accuracy": acc.detach()}
+
+
 OBJECTIVES = {
     c.name: c
     for c in (
@@ -254,6 +286,7 @@ OBJECTIVES = {
         SimMIMObjective,
         MaskedPatchPrediction,
         Distillation,
+        Segmentation,
     )
 }
 

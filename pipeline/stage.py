@@ -26,8 +26,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from data_prep.layout import DatasetError
 from pipeline import objectives
 from pipeline.config import StageConfig, flatten, save_resolved
+from pipeline.data.sources import DatasetInfo
 from pipeline.models.convert import load_timm_state_dict
 from pipeline.tracking import RUN_ID_FILE, Tracker, read_run_id, write_run_id
 from pipeline.train.engine import DistContext, init_distributed
@@ -129,10 +131,33 @@ def model_kwargs(cfg: StageConfig, num_classes: int) -> dict:
     }
 
 
+def output_classes(cfg: StageConfig, info: DatasetInfo) -> int:
+    """The model's output classes: model.num_classes, else the dataset's classes, or for segmentation its
+    mask classes (the manifest's segmentation_classes, which a segmentation stage needs)."""
+    if cfg.objective.name != "segmentation":
+        return cfg.model.num_classes or info.num_classes
+    if info.segmentation_classes is None:
+        raise DatasetError(
+            f"{cfg.data.train}: objective segmentation needs per-pixel masks, and this dataset has none (a dataset "
+            "folder whose manifest lists segmentation_classes; e.g. vitpipe shard synthetic --layout)"
+        )
+    found = len(info.segmentation_classes)
+    if cfg.model.num_classes not in (None, found):
+        raise DatasetError(
+            f"{cfg.data.train}: model.num_classes is {cfg.model.num_classes}, but the dataset's masks have "
+            f"{found} classes ({', '.join(info.segmentation_classes)})"
+        )
+    return found
+
+
 def init_weights(model: nn.Module, source: str | Path, init_head: bool) -> dict:
     """Load exported weights (a stage's export, or public ones in the timm layout; a folder, a file or a
-    storage URI) into `model`, the head too if `init_head`; returns the export's description."""
+    storage URI) into `model`, the head too if `init_head`; returns the export's description. A model with
+    its own `load_pretrained(state, init_head)` (SETR: a ViT export goes into its encoder) loads itself."""
     state, meta = load_exported(source)
-    load_timm_state_dict(model, state, strict_head=init_head, reset_head=not init_head)
+    if hasattr(model, "load_pretrained"):
+        model.load_pretrained(state, init_head)
+    else:
+        load_timm_state_dict(model, state, strict_head=init_head, reset_head=not init_head)
     log.info("initialised from %s (%s, step %s)", source, meta.get("model", "?"), meta.get("step", "?"))
     return meta

@@ -25,6 +25,14 @@ log = logging.getLogger(__name__)
 
 MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
 RUN_ID_FILE = "mlflow_run.json"  # in a stage's run directory
+REPLICA_SUFFIX = "_s{seed}"  # under an experiment's `seeds:`, stage STAGE's run for seed K is STAGE_sK
+
+
+def replica_name(stage: str, seed: int | str) -> str:
+    """Stage `stage`'s replica for `seed` under `seeds:` (`pretrain` -> `pretrain_s0`): its name, run
+    directory and MLflow run name (pipeline.config writes it, pipeline.compare reads it). A name ends in one
+    suffix, so two (stage, seed) pairs never share one."""
+    return stage + REPLICA_SUFFIX.format(seed=seed)
 
 
 def read_run_id(path: Path) -> str | None:

@@ -23,6 +23,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from data_prep.synthetic import class_names, synthetic_samples
 from data_prep.writer import write_dataset
 from pipeline.models import (
+    SETR,
     MaskedAutoencoderViT,
     MaskedPatchPredictionViT,
     SimMIM,
@@ -46,7 +47,7 @@ ROOT = Path(__file__).parents[1]
 
 # ---------------------------------------------------------------------- model selection
 
-KINDS = ("classifier", "vit", "masked_image", "mae", "masked_patch", "simmim")
+KINDS = ("classifier", "vit", "masked_image", "mae", "masked_patch", "simmim", "segmentation")
 # The masked-image wrappers by class: each has its own objective and its own tests.
 WRAPPERS = {"mae": MaskedAutoencoderViT, "masked_patch": MaskedPatchPredictionViT, "simmim": SimMIM}
 
@@ -69,9 +70,12 @@ def model_kinds(name: str) -> frozenset[str]:
     "classifier"    an image classifier (`forward_features`, `forward_head`): every ViT, TNT, CvT, LeViT, Swin;
     "vit"           a VisionTransformer (every ViT size and the hybrid), also a classifier;
     "masked_image"  a pretraining wrapper that exports a classifier (`export_encoder`), and which one:
-                    "mae", "masked_patch" (masked patch prediction) or "simmim".
+                    "mae", "masked_patch" (masked patch prediction) or "simmim";
+    "segmentation"  a per-pixel classifier (SETR: test_segmentation.py).
     """
     model = _meta(name)
+    if isinstance(model, SETR):
+        return frozenset({"segmentation"})
     if hasattr(model, "export_encoder"):
         wrapper = [k for k, cls in WRAPPERS.items() if isinstance(model, cls)]
         if not wrapper:

@@ -42,6 +42,19 @@ def test_pos_embed_similarity_shape_and_unit_diagonal(pos_embed, tmp_path):
     assert_png(fig, tmp_path / "sim.png")
 
 
+def test_pos_embed_similarity_colour_scale_spans_the_patches_similarities():
+    """All similarities between different patches in 0.8..1 (a shared offset dominates) still get the whole
+    colour scale: the figure's limits are the smallest and largest similarity of two different patches."""
+    torch.manual_seed(0)
+    model = create_model("vit_debug")
+    with torch.no_grad():
+        model.pos_embed.copy_(torch.randn(1, 1, 64) * 3 + 0.3 * torch.randn_like(model.pos_embed))
+    sim, fig = pos_embed_similarity(model)
+    others = sim.reshape(16, 16)[~np.eye(16, dtype=bool)]
+    assert others.min() > 0.8  # a -1..1 scale would paint this one colour
+    assert fig.axes[0].images[0].get_clim() == pytest.approx((others.min(), others.max()))
+
+
 def test_sincos_neighbours_are_more_similar_than_far_patches():
     model = create_model("vit_debug", pos_embed="sincos2d", img_size=64)  # 8x8 grid
     sim, _ = pos_embed_similarity(model)

@@ -5,6 +5,7 @@
     if builder.add(image, labels, sample["__key__"]):
         yield builder.take(skipped=counter.bad)
     # {"image": uint8 [B, 3, H, W], "target": long [B] | multi-hot float [B, K], "key": [B] str, **extra}
+    # masks=True (segmentation): also "mask" uint8 [B, H, W], the class of each pixel (decode_pair)
 
 The streams (train_stream, eval_stream) drive this; the loader's workers hand the batches over in shared memory.
 """
@@ -20,7 +21,10 @@ import torch
 from PIL import Image
 from torch.utils.data import get_worker_info
 
+from data_prep.layout import MASK_EXT  # a segmentation dataset's per-pixel classes: KEY.seg.png
+
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+MASK_IGNORE = 255  # mask value that counts in no loss or metric (padding slots)
 
 
 def loader_worker() -> tuple[int, int]:
@@ -58,6 +62,34 @@ def decode(
         return transform(img), labels
 
 
+def decode_pair(
+    sample: dict,
+    multi_label: bool,
+    num_classes: int,
+    mask_classes: int,
+    transform: Callable[[Image.Image, Image.Image], tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor, list[int] | int]:
+    """(uint8 [3, H, W] image, uint8 [H, W] mask, labels) of one raw sample of a segmentation dataset;
+    raises, naming what is wrong, on a missing mask, one of another size, or a class beyond `mask_classes`."""
+    labels = sample_labels(sample, multi_label, num_classes)
+    data = sample.get(MASK_EXT)
+    if data is None:
+        members = sorted(k for k in sample if not k.startswith("__"))
+        raise ValueError(f"no {MASK_EXT} mask member (it has {members}); segmentation needs KEY.{MASK_EXT}")
+    with Image.open(io.BytesIO(data)) as mask, Image.open(io.BytesIO(image_bytes(sample))) as img:
+        if mask.mode != "L":
+            raise ValueError(f"its mask is mode {mask.mode}, expected L (8-bit class indices)")
+        if mask.size != img.size:
+            raise ValueError(f"its mask is {mask.width}x{mask.height}, its image {img.width}x{img.height}")
+        top = mask.getextrema()[1]
+        if top >= mask_classes:
+            raise ValueError(
+                f"its mask holds class {top}, outside 0..{mask_classes - 1} (segmentation_classes)"
+            )
+        image, target = transform(img, mask)
+    return image, target, labels
+
+
 def _empty_batch(shape: tuple[int, ...], shared: bool) -> torch.Tensor:
     """uint8 tensor; `shared`: allocated in shared memory, as default_collate does in a worker, so
     the batch reaches the main process without the copy that sending a private tensor makes
@@ -79,11 +111,17 @@ class BatchBuilder:
     """
 
     def __init__(
-        self, batch_size: int, img_size: int, num_classes: int, multi_label: bool, encoded: bool = False
+        self,
+        batch_size: int,
+        img_size: int,
+        num_classes: int,
+        multi_label: bool,
+        encoded: bool = False,
+        masks: bool = False,
     ):
         self.batch_size, self.img_size = batch_size, img_size
         self.num_classes, self.multi_label = num_classes, multi_label
-        self.encoded = encoded
+        self.encoded, self.with_masks = encoded, masks
         self.shared = get_worker_info() is not None  # in a DataLoader worker process
         self._new()
 
@@ -96,14 +134,25 @@ class BatchBuilder:
         self.keys = [""] * b
         self.valid = torch.zeros(b, dtype=torch.bool)  # [B] slots holding a real sample
         self.n = 0
+        if self.with_masks:
+            self.masks = _empty_batch((b, s, s), self.shared)  # [B, H, W] class per pixel
         if self.encoded:
             self.jpegs: list[bytes] = [b""] * b
             self.boxes = torch.zeros((b, 4))  # [B, 4] crop boxes of the encoded slots
             self.flips = torch.zeros(b, dtype=torch.bool)  # [B]
 
-    def put(self, slot: int, image: torch.Tensor | None, labels: list[int] | int, key: str) -> None:
+    def put(
+        self,
+        slot: int,
+        image: torch.Tensor | None,
+        labels: list[int] | int,
+        key: str,
+        mask: torch.Tensor | None = None,
+    ) -> None:
         if image is not None:  # None: an encoded slot, decoded on the training device
             self.images[slot] = image  # uint8 [3, H, W] -> its batch slot
+        if mask is not None:
+            self.masks[slot] = mask  # uint8 [H, W]
         if self.multi_label:
             self.targets[slot].zero_()
             self.targets[slot, labels] = 1.0
@@ -112,9 +161,11 @@ class BatchBuilder:
         self.keys[slot] = key
         self.valid[slot] = True
 
-    def add(self, image: torch.Tensor, labels: list[int] | int, key: str) -> bool:
-        """Append one sample; True when the batch is full."""
-        self.put(self.n, image, labels, key)
+    def add(
+        self, image: torch.Tensor, labels: list[int] | int, key: str, mask: torch.Tensor | None = None
+    ) -> bool:
+        """Append one sample (and its mask, with masks=True); True when the batch is full."""
+        self.put(self.n, image, labels, key, mask)
         self.n += 1
         return self.n == self.batch_size
 
@@ -156,10 +207,14 @@ class BatchBuilder:
             else:  # no readable sample seen yet: zeros, masked out all the same
                 self.images[slot] = 0
                 self.targets[slot] = 0
+            if self.with_masks:
+                self.masks[slot] = MASK_IGNORE  # a padding slot's pixels count nowhere
 
     def take(self, **extra) -> dict:
         """The batch {"image", "target", "key", **extra}; the builder starts a new one."""
         batch = {"image": self.images, "target": self.targets, "key": self.keys, **extra}
+        if self.with_masks:
+            batch["mask"] = self.masks
         if self.encoded:
             batch.update(self._encoded_fields())
         self._new()

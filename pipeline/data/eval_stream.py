@@ -21,10 +21,11 @@ import torch
 from PIL import Image
 from torch.utils.data import IterableDataset
 
-from pipeline.data.batching import BatchBuilder, decode, loader_worker
+from data_prep.layout import DatasetError
+from pipeline.data.batching import BatchBuilder, decode, decode_pair, loader_worker
 from pipeline.data.shard_reader import SkipCounter, count_samples, read_shards
 from pipeline.data.sources import DatasetInfo
-from pipeline.data.transforms import eval_tensor
+from pipeline.data.transforms import eval_pair, eval_tensor
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class EvalStream(IterableDataset):
         img_size: int,
         crop_fraction: float = 0.875,
         max_skip_fraction: float = 0.01,
+        masks: bool = False,
     ):
         counts = info.shard_counts
         if counts is None:  # URLs without a manifest: the batch count must be known up front
@@ -54,6 +56,11 @@ class EvalStream(IterableDataset):
         self.rank, self.world_size = rank, world_size
         self.batch_size, self.img_size, self.crop_fraction = batch_size, img_size, crop_fraction
         self.max_skip_fraction = max_skip_fraction
+        if masks and info.segmentation_classes is None:
+            raise DatasetError(
+                f"{info.urls[0]}...: masks were asked for, and the manifest lists no segmentation_classes"
+            )
+        self.masks = masks
         self.by_shard = len(info.urls) >= world_size
         starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
         if self.by_shard:  # rank r: shards r, r + world, ...; positions run on through them
@@ -109,6 +116,9 @@ class EvalStream(IterableDataset):
     def _transform(self, img: Image.Image) -> torch.Tensor:
         return eval_tensor(img, self.img_size, self.crop_fraction)
 
+    def _pair(self, img: Image.Image, mask: Image.Image) -> tuple[torch.Tensor, torch.Tensor]:
+        return eval_pair(img, mask, self.img_size, self.crop_fraction)
+
     def __iter__(self) -> Iterator[dict]:
         worker, num_workers = loader_worker()
         lo, hi = worker * self.num_batches // num_workers, (worker + 1) * self.num_batches // num_workers
@@ -116,7 +126,7 @@ class EvalStream(IterableDataset):
             return
         counter = SkipCounter(self.max_skip_fraction, f"eval rank {self.rank} worker {worker}")
         info, bs = self.info, self.batch_size
-        builder = BatchBuilder(bs, self.img_size, info.num_classes, info.multi_label)
+        builder = BatchBuilder(bs, self.img_size, info.num_classes, info.multi_label, masks=self.masks)
         last: list = []  # the last real sample, to repeat into padding slots
 
         def batch() -> dict:
@@ -128,13 +138,19 @@ class EvalStream(IterableDataset):
             while pos >= (b + 1) * bs:
                 yield batch()
                 b += 1
+            mask = None
             try:
-                image, labels = decode(sample, info.multi_label, info.num_classes, self._transform)
+                if self.masks:
+                    image, mask, labels = decode_pair(
+                        sample, info.multi_label, info.num_classes, len(info.segmentation_classes), self._pair
+                    )
+                else:
+                    image, labels = decode(sample, info.multi_label, info.num_classes, self._transform)
             except Exception as exc:  # skipped and counted; its slot stays padding
                 counter.skip(sample.get("__url__", "?"), f"sample {sample.get('__key__')}", exc)
                 continue
             counter.good()
-            builder.put(pos - b * bs, image, labels, sample["__key__"])
+            builder.put(pos - b * bs, image, labels, sample["__key__"], mask)
         counter.finish()  # a small split never reaches the running check's minimum: judge the whole pass
         while b < hi:
             yield batch()

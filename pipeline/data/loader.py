@@ -63,6 +63,7 @@ def make_train_loader(
     seed: int,
     start_batch: int = 0,
     epochs: int | None = None,
+    masks: bool = False,
 ) -> DataLoader:
     """The rank's training batches of `data.batch_size`, continuing at batch `start_batch` (resume);
     `loader.dataset.epoch_batches` is its batches per epoch. `epochs`: stop after that many."""
@@ -83,6 +84,7 @@ def make_train_loader(
         hflip=data.hflip,
         max_skip_fraction=data.max_skip_fraction,
         decode=data.decode,
+        masks=masks,
     )
     workers = data.num_workers
     return _data_loader(
@@ -99,6 +101,7 @@ def make_eval_loader(
     batch_size: int,
     img_size: int,
     crop_fraction: float = 0.875,
+    masks: bool = False,
 ) -> DataLoader:
     """One deterministic pass over `info`'s split; every rank yields `loader.dataset.num_batches` batches
     {"image", "target", "valid" [B] bool, "skipped"}: sum metrics over valid samples only."""
@@ -110,5 +113,6 @@ def make_eval_loader(
         img_size=img_size,
         crop_fraction=crop_fraction,
         max_skip_fraction=data.max_skip_fraction,
+        masks=masks,
     )
     return _data_loader(stream, data.num_workers, 0)

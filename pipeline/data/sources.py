@@ -33,6 +33,7 @@ class DatasetInfo:
     multi_label: bool
     num_samples: int | None  # exact, from the manifest; None for URLs without one
     shard_counts: list[int] | None = None  # per URL, from the manifest
+    segmentation_classes: list[str] | None = None  # per-pixel mask classes (KEY.seg.png), from the manifest
 
     def epoch_batches(self, world_size: int, batch_size: int, num_workers: int = 1) -> int | None:
         return epoch_batches(self, world_size, batch_size, num_workers)
@@ -106,6 +107,7 @@ def dataset_info(
             multi_label=manifest.multi_label,
             num_samples=sum(s.count for s in shards),
             shard_counts=[s.count for s in shards],
+            segmentation_classes=manifest.segmentation_classes,
         )
     urls = expand_urls(source)
     if not urls:

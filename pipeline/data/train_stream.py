@@ -47,10 +47,17 @@ from torch.utils.data import IterableDataset
 
 from data_prep.layout import DatasetError
 from pipeline.data import seeds
-from pipeline.data.batching import BatchBuilder, decode, image_bytes, loader_worker, sample_labels
+from pipeline.data.batching import (
+    BatchBuilder,
+    decode,
+    decode_pair,
+    image_bytes,
+    loader_worker,
+    sample_labels,
+)
 from pipeline.data.shard_reader import SkipCounter, read_shards
 from pipeline.data.sources import DatasetInfo, epoch_batches
-from pipeline.data.transforms import train_crop_plan, train_tensor
+from pipeline.data.transforms import train_crop_plan, train_pair, train_tensor
 
 log = logging.getLogger(__name__)
 
@@ -107,11 +114,20 @@ class ShardStream(IterableDataset):
         hflip: bool = True,
         max_skip_fraction: float = 0.01,
         decode: str = "cpu",
+        masks: bool = False,
     ):
         if decode not in ("cpu", "cuda"):
             raise ValueError(f"decode must be 'cpu' or 'cuda', got {decode!r}")
         if decode == "cuda" and randaugment is not None:
             raise ValueError("decode='cuda' has no RandAugment (a PIL op): decode on the CPU")
+        if masks and (decode != "cpu" or randaugment is not None):
+            raise ValueError(
+                "masks (segmentation) need decode='cpu' and no RandAugment: both move pixels off their mask"
+            )
+        if masks and info.segmentation_classes is None:
+            raise DatasetError(
+                f"{info.urls[0]}...: masks were asked for, and the manifest lists no segmentation_classes"
+            )
         workers = max(1, num_workers)
         slots = world_size * workers
         if not resampled and len(info.urls) < slots:
@@ -141,7 +157,7 @@ class ShardStream(IterableDataset):
         self.seed, self.shuffle_buffer, self.min_scale = seed, shuffle_buffer, min_scale
         self.start_batch, self.resampled, self.epochs = start_batch, resampled, epochs
         self.randaugment, self.max_skip_fraction = randaugment, max_skip_fraction
-        self.hflip, self.decode = hflip, decode
+        self.hflip, self.decode, self.masks = hflip, decode, masks
         self._counts = dict(zip(info.urls, info.shard_counts)) if info.shard_counts else None
 
     @staticmethod
@@ -241,6 +257,15 @@ class ShardStream(IterableDataset):
         still encoded, with its crop box and flip drawn from the same `rng` as the CPU path draws them:
         only its header is read here. Other formats are decoded here either way."""
         multi, k = self.info.multi_label, self.info.num_classes
+        if self.masks:
+            image, mask, labels = decode_pair(
+                sample,
+                multi,
+                k,
+                len(self.info.segmentation_classes),
+                partial(train_pair, size=self.img_size, rng=rng, min_scale=self.min_scale, hflip=self.hflip),
+            )
+            return builder.add(image, labels, sample["__key__"], mask)
         if self.decode == "cuda":
             data = image_bytes(sample)
             with Image.open(io.BytesIO(data)) as img:  # the header only: size and format
@@ -258,7 +283,9 @@ class ShardStream(IterableDataset):
         worker = (process + self.start_batch) % num_workers
         counter = SkipCounter(self.max_skip_fraction, f"rank {self.rank} worker {worker}")
         multi, k = self.info.multi_label, self.info.num_classes
-        builder = BatchBuilder(self.batch_size, self.img_size, k, multi, encoded=self.decode == "cuda")
+        builder = BatchBuilder(
+            self.batch_size, self.img_size, k, multi, encoded=self.decode == "cuda", masks=self.masks
+        )
         rounds, made, to_skip = self._resume(worker, num_workers)
         for rnd in rounds:
             augment_rng = seeds.sample_rngs(*rnd.augment_key)

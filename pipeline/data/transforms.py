@@ -231,6 +231,42 @@ def train_tensor(
     return out.flip(-1) if hflip and rng.random() < 0.5 else out
 
 
+def mask_crop(mask: Image.Image, box: Box, size: int) -> torch.Tensor:
+    """Crop `box` of a class mask (mode "L") and resize it to size x size by nearest neighbour -> uint8
+    [size, size]: a pixel keeps a class of its source, classes are never blended."""
+    crop = mask.crop(_int_box(box, mask.width, mask.height)).resize((size, size), Image.NEAREST)
+    return torch.frombuffer(bytearray(crop.tobytes()), dtype=torch.uint8).view(size, size)
+
+
+def train_pair(
+    img: Image.Image,
+    mask: Image.Image,
+    size: int,
+    rng: np.random.Generator,
+    min_scale: float = 0.08,
+    hflip: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`train_tensor` (no RandAugment) of an image and its class mask of the same size: one crop box and one
+    flip, drawn in `train_tensor`'s order -> (uint8 [3, size, size], uint8 [size, size])."""
+    box = random_resized_crop_box(img.width, img.height, rng, scale=(min_scale, 1.0))
+    target = mask_crop(mask, box, size)
+    img, box = draft_for_box(img, box, size)
+    out = resized_crop(img, box, size)
+    if hflip and rng.random() < 0.5:
+        return out.flip(-1), target.flip(-1)
+    return out, target
+
+
+def eval_pair(
+    img: Image.Image, mask: Image.Image, size: int, crop_fraction: float = 0.875
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`eval_tensor` of an image and its class mask: the same centre crop of both."""
+    box = center_crop_box(img.width, img.height, size, crop_fraction)
+    target = mask_crop(mask, box, size)
+    img, box = draft_for_box(img, box, size)
+    return resized_crop(img, box, size), target
+
+
 def train_crop_plan(
     width: int, height: int, rng: np.random.Generator, min_scale: float = 0.08, hflip: bool = True
 ) -> tuple[tuple[int, int, int, int], bool]:

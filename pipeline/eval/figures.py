@@ -16,11 +16,18 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import nn
 
 from pipeline.compare import open_client, plot_metric  # MLflow reads live in compare
-from pipeline.models.analysis import mean_attention_distance, patch_embed_components, pos_embed_similarity
+from pipeline.data.batching import MASK_IGNORE
+from pipeline.models.analysis import (
+    mean_attention_distance,
+    new_figure,
+    patch_embed_components,
+    pos_embed_similarity,
+)
 from pipeline.tracking import RUN_ID_FILE, read_run_id
 
 if TYPE_CHECKING:
@@ -99,3 +106,42 @@ def source_loss_curve(init_from: str | Path, tracking_uris: list[str], out: Path
         )
         return out
     return f"source run {run_id} not found in {', '.join(dict.fromkeys(tracking_uris))}"
+
+
+def _palette(n: int) -> np.ndarray:
+    """[n, 3] float RGB in 0..1: black for class 0 (background), then tab20's distinct colours."""
+    from matplotlib import colormaps  # heavy: see pipeline.models.analysis.new_figure
+
+    colours = colormaps["tab20"](np.arange(max(n - 1, 1)) % 20)[:, :3]
+    return np.concatenate([np.zeros((1, 3)), colours])[:n]
+
+
+def segmentation_figure(
+    images: torch.Tensor, true: torch.Tensor, pred: torch.Tensor, class_names: list[str], out: Path
+) -> Path:
+    """Rows of (image, true mask, predicted mask) for up to 8 eval images: images uint8 [n, 3, H, W],
+    masks [n, H, W] class indices (MASK_IGNORE pixels drawn white); a legend names the colours."""
+    from matplotlib.patches import Patch  # heavy: see pipeline.models.analysis.new_figure
+
+    n = min(8, images.shape[0])
+    palette = np.concatenate([_palette(len(class_names)), np.ones((1, 3))])  # the last: ignored pixels
+
+    def colour(mask: torch.Tensor) -> np.ndarray:
+        m = mask.long().numpy()
+        return palette[np.where(m == MASK_IGNORE, len(class_names), np.minimum(m, len(class_names) - 1))]
+
+    fig = new_figure((6.0, 2.0 * n + 0.8))
+    axes = fig.subplots(n, 3, squeeze=False)
+    for i in range(n):
+        panels = (images[i].permute(1, 2, 0).numpy(), colour(true[i]), colour(pred[i]))
+        for j, (panel, title) in enumerate(zip(panels, ("image", "true", "predicted"))):
+            ax = axes[i][j]
+            ax.imshow(panel, interpolation="nearest")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if i == 0:
+                ax.set_title(title)
+    handles = [Patch(color=palette[k], label=name) for k, name in enumerate(class_names)]
+    fig.legend(handles=handles, loc="lower center", ncol=min(4, len(handles)), fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.6 / (2.0 * n + 0.8) + 0.02, 1, 1))
+    return _save(fig, out)

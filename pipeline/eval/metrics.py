@@ -153,3 +153,39 @@ class MetricState:
         count = self.sums[-1]
         means = self.sums[:-1] / count if count > 0 else torch.full_like(self.sums[:-1], float("nan"))
         return {name: v.item() for name, v in zip(self.names, means)}
+
+
+# ---------------------------------------------------------------------- segmentation
+
+
+def confusion_matrix(
+    pred: torch.Tensor, target: torch.Tensor, num_classes: int, counted: torch.Tensor
+) -> torch.Tensor:
+    """Pixel counts [K, K] int64, row = true class, column = predicted, over the `counted` pixels.
+
+    pred, target, counted: [B, H, W] (class indices; bool). A sum: all-reduce it across ranks, then call
+    `segmentation_scores` once."""
+    t, p = target[counted].long(), pred[counted].long()
+    return torch.bincount(t * num_classes + p, minlength=num_classes * num_classes).reshape(
+        num_classes, num_classes
+    )
+
+
+def segmentation_scores(conf: torch.Tensor) -> dict[str, float | list[float | None]]:
+    """mIoU, pixel accuracy and mean class accuracy of a confusion matrix (rows true, columns predicted), with
+    the per-class IoU. As mmsegmentation: a class with no true and no predicted pixel has no IoU (None) and
+    is left out of the mean."""
+    conf = conf.double()
+    inter = conf.diag()
+    union = conf.sum(0) + conf.sum(1) - inter
+    true = conf.sum(1)
+    iou = [float(i / u) if u > 0 else None for i, u in zip(inter, union)]
+    acc = [float(i / t) for i, t in zip(inter, true) if t > 0]
+    present = [v for v in iou if v is not None]
+    total = float(conf.sum())
+    return {
+        "miou": sum(present) / len(present) if present else float("nan"),
+        "pixel_accuracy": float(inter.sum()) / total if total else float("nan"),
+        "mean_accuracy": sum(acc) / len(acc) if acc else float("nan"),
+        "iou": iou,
+    }

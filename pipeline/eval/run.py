@@ -31,20 +31,29 @@ from torch.utils.data import DataLoader
 
 from data_prep import atomic
 from pipeline.config import EvalConfig, StageConfig
+from pipeline.data.batching import MASK_IGNORE
 from pipeline.data.loader import make_eval_loader
-from pipeline.data.sources import dataset_info
+from pipeline.data.sources import DatasetInfo, dataset_info
 from pipeline.data.transforms import normalize
 from pipeline.eval.fewshot import fewshot_ridge, linear_probe
-from pipeline.eval.figures import model_figures, source_loss_curve, source_stage_dir
-from pipeline.eval.metrics import MetricState, mean_average_precision, top1_is_positive, topk_correct
+from pipeline.eval.figures import model_figures, segmentation_figure, source_loss_curve, source_stage_dir
+from pipeline.eval.metrics import (
+    MetricState,
+    confusion_matrix,
+    mean_average_precision,
+    segmentation_scores,
+    top1_is_positive,
+    topk_correct,
+)
 from pipeline.models import create_model
-from pipeline.stage import init_weights, model_kwargs, open_stage
+from pipeline.stage import Stage, init_weights, model_kwargs, open_stage, output_classes
 from pipeline.tracking import Tracker
 from pipeline.train.engine import DistContext
 
 log = logging.getLogger(__name__)
 EVAL_FILE = "eval.json"
 FIGURE_IMAGES = 16  # eval images the attention-distance figure averages over
+FIGURE_ROWS = 8  # eval images the segmentation figure shows
 MAX_TAG_LEN = 1000
 
 
@@ -240,16 +249,17 @@ def evaluate(
         raise ValueError(f"{cfg.name}: an eval stage needs model.init_from")
     # -- distributed set-up, seeds, RUN_DIR/config.yaml
     stage = open_stage(cfg)
-    ctx, run_path, e = stage.ctx, stage.run_path, cfg.eval
+    ctx, e = stage.ctx, cfg.eval
     batch_size = e.batch_size or cfg.data.batch_size
 
     # -- model
     labels = dict(num_classes=cfg.data.num_classes, multi_label=cfg.data.multi_label)  # URL inputs only
     info = dataset_info(cfg.data.train, e.eval_split, **labels)
+    if cfg.objective.name == "segmentation":
+        return evaluate_segmentation(cfg, stage, info, report, parent_run_id)
     num_classes = cfg.model.num_classes or info.num_classes
     model, meta = load_model(cfg, num_classes, ctx.device)
     amp = _amp_dtype(cfg, ctx.device)
-    step = max(1, int(meta.get("step") or 1))  # the Tracker drops step 0
 
     # -- tracking (rank 0): a re-run of a failed eval stage continues its MLflow run
     tags = {"kind": "eval", "init_from": str(cfg.model.init_from)}
@@ -323,22 +333,120 @@ def evaluate(
         shared = [metrics, details]
         dist.broadcast_object_list(shared, src=0, group=ctx.control_group)
         metrics, details = shared
+        _finish(cfg, ctx, tracker, metrics, details, meta, report)
+    dist.barrier()
+    return metrics
 
-        # -- log and write eval.json
-        tracker.log_metrics(metrics, step=step)
+
+def _finish(
+    cfg: StageConfig,
+    ctx: DistContext,
+    tracker: Tracker,
+    metrics: dict[str, float],
+    details: dict,
+    meta: dict,
+    report: Callable[[dict], None] | None,
+) -> None:
+    """Every rank, with the same metrics: log them (rank 0), write RUN_DIR/eval.json, report to Ray."""
+    tracker.log_metrics(metrics, step=max(1, int(meta.get("step") or 1)))  # the Tracker drops step 0
+    if ctx.is_main:
+        summary = {
+            "stage": cfg.name,
+            "model": cfg.model.name,
+            "init_from": str(cfg.model.init_from),
+            "source_step": meta.get("step"),
+            "world_size": ctx.world_size,
+            "metrics": metrics,
+            **details,
+        }
+        atomic.write_json(cfg.run_path / EVAL_FILE, summary, indent=2, default=str)
+        print(f"[{cfg.name}] " + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()), flush=True)
+    if report is not None:
+        report(dict(metrics))  # every rank, once (Ray Train needs equal report counts)
+
+
+# ---------------------------------------------------------------- segmentation
+
+
+def evaluate_segmentation(
+    cfg: StageConfig,
+    stage: Stage,
+    info: DatasetInfo,
+    report: Callable[[dict], None] | None,
+    parent_run_id: str | None,
+) -> dict[str, float]:
+    """The eval stage of a SETR export: mIoU, pixel accuracy and mean class accuracy over eval_split (a
+    confusion matrix summed over every rank's valid pixels), the per-class IoU in eval.json, and a figure of
+    predicted against true masks. Few-shot and the probe are classification evaluations: not run here."""
+    ctx, e = stage.ctx, cfg.eval
+    batch_size = e.batch_size or cfg.data.batch_size
+    classes = list(info.segmentation_classes or [])
+    num_classes = output_classes(cfg, info)
+    model = create_model(cfg.model.name, **model_kwargs(cfg, num_classes))
+    meta = init_weights(model, cfg.model.init_from, cfg.model.init_head)
+    model = model.to(ctx.device).eval().requires_grad_(False)
+    amp = _amp_dtype(cfg, ctx.device)
+    tags = {"kind": "eval", "init_from": str(cfg.model.init_from)}
+    with stage.tracking(tags, parent_run_id) as tracker:
         if ctx.is_main:
-            summary = {
-                "stage": cfg.name,
-                "model": cfg.model.name,
-                "init_from": str(cfg.model.init_from),
-                "source_step": meta.get("step"),
-                "world_size": ctx.world_size,
-                "metrics": metrics,
-                **details,
-            }
-            atomic.write_json(run_path / EVAL_FILE, summary, indent=2, default=str)
-            print(f"[{cfg.name}] " + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()), flush=True)
-        if report is not None:
-            report(dict(metrics))  # every rank, once (Ray Train needs equal report counts)
+            print(
+                f"[{cfg.name}] segmentation eval of {cfg.model.init_from} (step {meta.get('step', '?')}) | "
+                f"{cfg.data.train} {e.eval_split} | {num_classes} classes | world {ctx.world_size}",
+                flush=True,
+            )
+        loader = make_eval_loader(
+            info,
+            cfg.data,
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            batch_size=batch_size,
+            img_size=cfg.model.img_size,
+            masks=True,
+        )
+        conf = torch.zeros(num_classes, num_classes, dtype=torch.int64)
+        seen = torch.zeros(1, dtype=torch.int64)
+        shown: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (image, true, predicted) rows
+        with torch.no_grad():
+            for batch in loader:
+                x = normalize(batch["image"].to(ctx.device, non_blocking=True))
+                with torch.autocast(ctx.device.type, dtype=amp or torch.float32, enabled=amp is not None):
+                    pred = model(x).argmax(1).cpu()  # [B, H, W]
+                valid, target = batch["valid"], batch["mask"]
+                counted = (target != MASK_IGNORE) & valid[:, None, None]
+                conf += confusion_matrix(pred, target, num_classes, counted)
+                seen += int(valid.sum())
+                if len(shown) < FIGURE_ROWS:
+                    shown += list(zip(batch["image"][valid], target[valid], pred[valid]))[
+                        : FIGURE_ROWS - len(shown)
+                    ]
+        dist.all_reduce(conf, group=ctx.control_group)  # gloo: CPU tensors whatever the training backend
+        dist.all_reduce(seen, group=ctx.control_group)
+        scores = segmentation_scores(conf)
+        metrics = {
+            "eval/miou": scores["miou"],
+            "eval/pixel_accuracy": scores["pixel_accuracy"],
+            "eval/mean_accuracy": scores["mean_accuracy"],
+        }
+        details: dict = {
+            "eval_samples": int(seen),
+            "iou_per_class": dict(zip(classes or map(str, range(num_classes)), scores["iou"])),
+        }
+        if ctx.is_main and e.figures:
+            if shown:
+                images, true, pred = (torch.stack(t) for t in zip(*shown))
+                out = cfg.run_path / "figures" / "segmentation_masks.png"
+                tracker.log_artifact(str(segmentation_figure(images, true, pred, classes, out)), "figures")
+            else:
+                details["figures_skipped"] = {"segmentation_masks": "no readable eval image on rank 0"}
+        if info.num_samples is not None and int(seen) < info.num_samples:
+            details["eval_unreadable"] = info.num_samples - int(seen)
+            log.warning(
+                "%s: evaluated %d of the %d samples of split %r",
+                cfg.name,
+                int(seen),
+                info.num_samples,
+                e.eval_split,
+            )
+        _finish(cfg, ctx, tracker, metrics, details, meta, report)
     dist.barrier()
     return metrics

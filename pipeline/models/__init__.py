@@ -6,6 +6,7 @@ from pipeline.models.mae import MaskedAutoencoderViT  # registers mae_vit_*
 from pipeline.models.masked_patch import MaskedPatchPredictionViT  # registers mpp_vit_*
 from pipeline.models.param_groups import layer_id, param_groups
 from pipeline.models.registry import create_model, list_models, register
+from pipeline.models.setr import SETR  # registers setr_{naive,pup}_vit_*
 from pipeline.models.simmim import SimMIM  # registers simmim_* (after the encoders it wraps)
 from pipeline.models.swin import SwinTransformer  # registers swin_*
 from pipeline.models.tnt import TNT  # registers tnt_*
@@ -16,6 +17,7 @@ __all__ = [
     "Levit",
     "MaskedAutoencoderViT",
     "MaskedPatchPredictionViT",
+    "SETR",
     "SimMIM",
     "SwinTransformer",
     "TNT",

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 
-def _new_figure(figsize: tuple[float, float]) -> Figure:
+def new_figure(figsize: tuple[float, float]) -> Figure:
     # Imported here: matplotlib takes seconds to load, and only drawing needs it (not the arrays, nor
     # the training and evaluation processes that import this module and never draw).
     from matplotlib.figure import Figure
@@ -81,9 +81,13 @@ def _similarity_figure(sim: np.ndarray, h: int, w: int) -> Figure:
     for i in range(h * w):
         r, c = divmod(i, w)
         mosaic[r * (h + 1) : r * (h + 1) + h, c * (w + 1) : c * (w + 1) + w] = sim[i]
-    fig = _new_figure((6.0, 5.2))
+    # The colour scale spans the similarities between different patches: a patch with itself is always 1,
+    # and a fixed -1..1 scale paints a model whose similarities all lie in 0.8..1 one flat colour.
+    others = sim.reshape(h * w, h * w)[~np.eye(h * w, dtype=bool)]
+    lo, hi = (float(others.min()), float(others.max())) if others.size else (-1.0, 1.0)
+    fig = new_figure((6.0, 5.2))
     ax = fig.add_subplot()
-    img = ax.imshow(mosaic, cmap="viridis", vmin=-1.0, vmax=1.0, interpolation="nearest")
+    img = ax.imshow(mosaic, cmap="viridis", vmin=lo, vmax=max(hi, lo + 1e-6), interpolation="nearest")
     ax.set_xticks([c * (w + 1) + (w - 1) / 2 for c in range(w)], [str(c + 1) for c in range(w)], fontsize=6)
     ax.set_yticks([r * (h + 1) + (h - 1) / 2 for r in range(h)], [str(r + 1) for r in range(h)], fontsize=6)
     ax.set_xlabel("Input patch column")
@@ -125,7 +129,7 @@ def _components_figure(components: np.ndarray) -> Figure:
     n, c = components.shape[:2]
     cols = min(n, 7)  # the paper's 4 x 7 grid for 28 components
     rows = -(-n // cols)
-    fig = _new_figure((cols * 0.9, rows * 0.9 + 0.4))
+    fig = new_figure((cols * 0.9, rows * 0.9 + 0.4))
     fig.suptitle("RGB embedding filters\n(first principal components)", fontsize=8)
     for i, comp in enumerate(components):
         ax = fig.add_subplot(rows, cols, i + 1)
@@ -200,7 +204,7 @@ def mean_attention_distance(model: nn.Module, images: torch.Tensor) -> tuple[np.
 
 def _distance_figure(dist: np.ndarray, img_size: int) -> Figure:
     depth, heads = dist.shape
-    fig = _new_figure((4.5, 3.5))
+    fig = new_figure((4.5, 3.5))
     ax = fig.add_subplot()
     layers = np.repeat(np.arange(1, depth + 1), heads)
     ax.scatter(layers, dist.reshape(-1), s=10, alpha=0.7)

@@ -35,7 +35,7 @@ from pipeline.hardware import peak_flops
 from pipeline.models import create_model
 from pipeline.models.flops import estimate_mfu, flops_per_image
 from pipeline.objectives import build_objective
-from pipeline.stage import init_weights, model_kwargs, open_stage
+from pipeline.stage import init_weights, model_kwargs, open_stage, output_classes
 from pipeline.train import checkpoint
 from pipeline.train.engine import build_engine, consolidated_state_dict, scaled_lr
 from pipeline.train.export import export_weights
@@ -151,7 +151,7 @@ def train(
         cfg.data.train, "train", num_classes=cfg.data.num_classes, multi_label=cfg.data.multi_label
     )
     objective = build_objective(cfg.objective)
-    kwargs = model_kwargs(cfg, cfg.model.num_classes or info.num_classes)
+    kwargs = model_kwargs(cfg, output_classes(cfg, info))
     model = create_model(cfg.model.name, **kwargs)
     if cfg.model.init_from:
         init_weights(model, cfg.model.init_from, cfg.model.init_head)
@@ -203,6 +203,7 @@ def train(
         img_size=cfg.model.img_size,
         seed=cfg.seed,
         start_batch=start * accum,
+        masks=cfg.objective.name == "segmentation",
     )
 
     # -- tracking (rank 0 only): a resumed stage continues its MLflow run
