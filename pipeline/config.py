@@ -367,7 +367,9 @@ class EvalConfig(_Section):
     classification: bool = Field(
         True,
         description="Run the model's own head on eval_split: top-1/top-5 for single-label data, mAP and "
-        "precision@1 for multi-label; needs model.init_head: true.",
+        "precision@1 for multi-label; needs model.init_head: true. A SETR export (objective segmentation) is "
+        "evaluated per pixel instead (mIoU, pixel and mean class accuracy, a mask figure); few-shot and the "
+        "probe do not apply to it.",
     )
     fewshot_shots: list[Annotated[int, Field(gt=0)]] = Field(
         default_factory=lambda: [1, 5, 10, 25],

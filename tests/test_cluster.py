@@ -271,3 +271,48 @@ def test_a_failed_local_start_leaves_no_process_behind(monkeypatch):
         if f"{temp_dir}/" in " ".join(p.info["cmdline"] or [])
     ]
     assert not left, f"processes of the failed start still running: {left}"
+
+
+def test_segmentation_stages_run_as_ray_stages(ray_cluster, tmp_path):
+    """A SETR stage and its segmentation eval stage as Ray Train runs of an experiment (2 workers, ZeRO-2),
+    the eval reading the train stage's export by stage name."""
+    from data_prep.synthetic import layout_class_names, segmentation_class_names, synthetic_samples
+    from data_prep.writer import write_dataset
+
+    data = tmp_path / "layout"
+    samples = synthetic_samples(96, 0, seed=0, width=48, height=40, val_fraction=0.25, layout=True, objects=3)
+    write_dataset(
+        data, samples, layout_class_names(3), True, 12, segmentation_classes=segmentation_class_names(3)
+    )
+    config = tmp_path / "segmentation.yaml"
+    stages = {
+        "seg": {"model": {"init_from": None}, "optim": {"steps": 4, "warmup_steps": 1}},
+        "eval_seg": {"kind": "eval", "model": {"init_from": "seg", "init_head": True}},
+    }
+    defaults = {
+        "model": {"name": "setr_naive_vit_debug", "img_size": 32},
+        "objective": {"name": "segmentation"},
+        "data": {"train": str(data), "batch_size": 8, "num_workers": 1},
+        "deepspeed": {"zero_stage": 2},
+        "tracking": {"system_metrics": False, "log_every": 1},
+    }
+    experiment = {"name": "seg_tiny", "cluster": {"num_workers": 2}, "defaults": defaults, "stages": stages}
+    config.write_text(json.dumps(experiment))  # JSON is YAML
+    run_dir = tmp_path / "exp"
+    cli(
+        sys.executable,
+        "-m",
+        "vitpipe",
+        "run",
+        str(config),
+        f"run_dir={run_dir}",
+        f"cluster.address={ray_cluster.address}",
+    )
+    runs = runs_by_name(f"sqlite:///{run_dir / 'mlflow.db'}")
+    assert runs["seg"].info.status == "FINISHED" and "train/pixel_accuracy" in runs["seg"].data.metrics
+    metrics = runs["eval_seg"].data.metrics
+    assert {"eval/miou", "eval/pixel_accuracy", "eval/mean_accuracy"} <= set(metrics)
+    summary = json.loads((run_dir / "eval_seg" / "eval.json").read_text())
+    assert summary["eval_samples"] == json.loads((data / "manifest.json").read_text())["totals"]["val"]
+    assert summary["world_size"] == 2 and len(summary["iou_per_class"]) == 4
+    assert (run_dir / "eval_seg" / "figures" / "segmentation_masks.png").is_file()
