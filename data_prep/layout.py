@@ -35,6 +35,27 @@ WORK = ".work"  # sidecars and scratch files of `vitpipe shard`; without it a re
 INDEX_COLUMNS = ("key", "split", "shard", "labels", "width", "height", "bytes", "sha256", "source")
 # A sample's per-pixel class mask: the tar member KEY.seg.png (manifest.json: segmentation_classes).
 MASK_EXT = "seg.png"
+MASK_IGNORE = 255  # a mask value that counts in no loss or metric (VOC's and ADE20K's "void" pixels)
+MASK_MODES = ("L", "P")  # 8-bit class indices; a palette ("P") only colours them
+
+
+def mask_problem(mask, image_size: tuple[int, int] | None, num_classes: int) -> str | None:
+    """Why a decoded KEY.seg.png (a PIL image) cannot be the mask of an image of `image_size` (None: not
+    checked) with `num_classes` segmentation classes, else None: its mode must be L or P, its size the image's,
+    and every value a class index below num_classes or MASK_IGNORE. The one check of `vitpipe shard verify`
+    and of the training and eval loaders."""
+    if mask.mode not in MASK_MODES:
+        return f"mask {MASK_EXT} is mode {mask.mode}, expected L or P (8-bit class indices)"
+    if image_size is not None and mask.size != tuple(image_size):
+        return f"mask {MASK_EXT} is {mask.width}x{mask.height}, the image {image_size[0]}x{image_size[1]}"
+    counts = mask.histogram()  # 256 counts of the stored values (indices, in a palette image)
+    outside = [v for v in range(num_classes, 256) if counts[v] and v != MASK_IGNORE]
+    if outside:
+        return (
+            f"mask {MASK_EXT} has value {outside[-1]}, manifest.json lists {num_classes} segmentation_classes "
+            f"({MASK_IGNORE} marks ignored pixels)"
+        )
+    return None
 
 
 class DatasetError(ValueError):

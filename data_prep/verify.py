@@ -27,7 +27,7 @@ from PIL import Image
 
 from data_prep.dataset_dir import DatasetDir
 from data_prep.images import STORED_FORMATS
-from data_prep.layout import INDEX, MASK_EXT, ShardInfo, read_manifest
+from data_prep.layout import INDEX, MASK_EXT, ShardInfo, mask_problem, read_manifest
 from data_prep.tario import REGULAR_FILE, tar_entries
 
 IMAGE_EXTS = set(STORED_FORMATS.values()) | {"jpeg"}
@@ -58,17 +58,9 @@ def _mask_problem(data: bytes, image_size: tuple[int, int] | None, num_segmentat
     try:
         with Image.open(io.BytesIO(data)) as mask:
             mask.load()
-            if mask.mode != "L":
-                return f"mask {MASK_EXT} is mode {mask.mode}, expected L"
-            if image_size is not None and mask.size != image_size:
-                w, h = mask.size
-                return f"mask {MASK_EXT} is {w}x{h}, the image {image_size[0]}x{image_size[1]}"
-            top = mask.getextrema()[1]
+            return mask_problem(mask, image_size, num_segmentation)
     except Exception as exc:  # any decoder failure is this sample's problem, not the verifier's
         return f"mask {MASK_EXT} does not decode ({type(exc).__name__}: {exc})"
-    if top >= num_segmentation:
-        return f"mask {MASK_EXT} has value {top}, manifest.json lists {num_segmentation} segmentation_classes"
-    return None
 
 
 def _check_sample(

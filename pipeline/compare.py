@@ -458,10 +458,12 @@ def _stage_name(run: Run, params: dict[str, str]) -> str:
 
 def mean_se(values: Sequence[float], size: int) -> MeanSE | None:
     """Mean and standard error of the mean (sample std, ddof 1, over sqrt(n)); no error for one value.
-    A NaN (a run that diverged) makes both NaN rather than being dropped."""
+    A NaN or an infinity (a run that diverged) makes both NaN rather than being dropped."""
     n = len(values)
     if n == 0:
         return None
+    if not all(math.isfinite(v) for v in values):
+        return MeanSE(math.nan, math.nan if n > 1 else None, n, size)
     mean = math.fsum(values) / n
     se = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1) / n) if n > 1 else None
     return MeanSE(mean, se, n, size)

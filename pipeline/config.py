@@ -78,7 +78,10 @@ class ModelConfig(_Section):
     name: str = Field("vit_debug", description="Registered model name, see `pipeline.models.list_models()`.")
     img_size: int = Field(32, gt=0, description="Training resolution in pixels (square).")
     num_classes: int | None = Field(
-        None, gt=0, description="Classifier outputs; null takes the class count from the dataset manifest."
+        None,
+        gt=0,
+        description="Classifier outputs; null takes the class count from the dataset manifest (for objective "
+        "segmentation: its segmentation_classes).",
     )
     overrides: dict[str, Any] = Field(
         default_factory=dict,
@@ -167,7 +170,11 @@ class DataConfig(_Section):
     randaugment: tuple[int, float] | None = Field(
         None, description="RandAugment (num_ops, magnitude), e.g. [2, 9]."
     )
-    hflip: bool = Field(True, description="Random horizontal flips (off for digits, text).")
+    hflip: bool = Field(
+        True,
+        description="Random horizontal flips (off for digits, text, and the layout corpus, whose left_of labels "
+        "a flip would swap).",
+    )
     max_skip_fraction: float = Field(
         0.01,
         ge=0.0,
@@ -181,7 +188,13 @@ class DataConfig(_Section):
     batch_size: int = Field(16, gt=0, description="Per-rank micro-batch size.")
     num_workers: int = Field(1, ge=0, description="Loader worker processes per rank.")
     shuffle_buffer: int = Field(256, ge=0, description="Samples held in the in-worker shuffle buffer.")
-    min_scale: float = Field(0.35, gt=0.0, le=1.0, description="RandomResizedCrop lower area bound.")
+    min_scale: float = Field(
+        0.35,
+        gt=0.0,
+        le=1.0,
+        description="RandomResizedCrop lower area bound; 1.0 keeps the whole image (the layout corpus: a crop "
+        "moves objects across the halves and quadrants its labels name).",
+    )
     decode: Literal["cpu", "cuda"] = Field(
         "cpu",
         description="Where training images are decoded. `cpu`: PIL in the loader workers. `cuda`: the workers "
@@ -229,9 +242,13 @@ class ObjectiveConfig(_Section):
         "segmentation a setr_* model and a dataset with masks (per-pixel cross-entropy; its eval stage reports "
         "mIoU and pixel accuracy).",
     )
-    label_smoothing: float = Field(0.0, ge=0.0, lt=1.0, description="Label smoothing (softmax and distill).")
+    label_smoothing: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Label smoothing (softmax, distill and segmentation)."
+    )
     head_bias_init: float | None = Field(
-        None, description="Classifier bias init; null means 0 for softmax and -10 for sigmoid (big_vision)."
+        None,
+        description="Classifier bias init; null means 0 for softmax and segmentation and -10 for sigmoid "
+        "(big_vision).",
     )
     mixup_alpha: float = Field(
         0.0, ge=0.0, description="Mixup Beta(alpha, alpha); 0 disables (softmax only)."
@@ -396,6 +413,14 @@ class EvalConfig(_Section):
         "principal components, mean attention distance per layer.",
     )
     batch_size: int | None = Field(None, gt=0, description="Per-rank eval batch size; null: data.batch_size.")
+    crop_fraction: float = Field(
+        0.875,
+        gt=0.0,
+        le=1.0,
+        description="Eval images are resized so that the centre crop of this fraction of the shorter side is "
+        "img_size (ImageNet's 0.875); 1.0 keeps the whole shorter side (square images: the whole image, as "
+        "training with data.min_scale 1.0 sees it).",
+    )
 
 
 PATCH_DROPOUT_OBJECTIVES = ("supervised_softmax", "supervised_sigmoid", "distill")
@@ -469,6 +494,10 @@ class StageConfig(_Section):
         if self.kind == "eval":
             if self.model.init_from is None:
                 raise ValueError("kind: eval needs model.init_from (an export folder or an earlier stage)")
+            if segmenter and not self.model.init_head:
+                raise ValueError(
+                    "a segmentation eval stage runs the exported SETR decoder, so it needs model.init_head: true"
+                )
             if self.eval.classification and not self.model.init_head:
                 raise ValueError(
                     "eval.classification runs the exported head, so it needs model.init_head: true "
@@ -1095,9 +1124,10 @@ def input_problems(target: Experiment | StageConfig) -> list[str]:
             continue
         e = cfg.eval
         splits = ["train"] if cfg.kind == "train" else [e.eval_split]
-        if cfg.kind == "eval" and (e.fewshot_shots or e.linear_probe):
+        segmentation = cfg.objective.name == "segmentation"  # evaluated per pixel: no few-shot, no probe
+        if cfg.kind == "eval" and (e.fewshot_shots or e.linear_probe) and not segmentation:
             splits.append(e.train_split)
-        problem = _dataset_problem(cfg.data.train, splits, masks=cfg.objective.name == "segmentation")
+        problem = _dataset_problem(cfg.data.train, splits, masks=segmentation)
         if problem:
             stages_with.setdefault(problem, []).append(name)
     return [

@@ -260,7 +260,7 @@ class Segmentation:
 
     @staticmethod
     def model_kwargs(cfg: ObjectiveConfig, num_classes: int) -> dict:
-        return {"num_classes": num_classes}
+        return {"num_classes": num_classes, "head_bias_init": cfg.head_bias_init or 0.0}
 
     def prepare(self, model, device) -> None:
         pass

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from data_prep.layout import DatasetError
+from data_prep.layout import MASK_IGNORE, DatasetError
 from pipeline import objectives
 from pipeline.config import StageConfig, flatten, save_resolved
 from pipeline.data.sources import DatasetInfo
@@ -136,12 +136,12 @@ def output_classes(cfg: StageConfig, info: DatasetInfo) -> int:
     mask classes (the manifest's segmentation_classes, which a segmentation stage needs)."""
     if cfg.objective.name != "segmentation":
         return cfg.model.num_classes or info.num_classes
-    if info.segmentation_classes is None:
+    found = info.mask_classes()
+    if found > MASK_IGNORE:
         raise DatasetError(
-            f"{cfg.data.train}: objective segmentation needs per-pixel masks, and this dataset has none (a dataset "
-            "folder whose manifest lists segmentation_classes; e.g. vitpipe shard synthetic --layout)"
+            f"{cfg.data.train}: {found} segmentation_classes; masks hold 8-bit values and {MASK_IGNORE} marks "
+            f"ignored pixels, so at most {MASK_IGNORE} classes"
         )
-    found = len(info.segmentation_classes)
     if cfg.model.num_classes not in (None, found):
         raise DatasetError(
             f"{cfg.data.train}: model.num_classes is {cfg.model.num_classes}, but the dataset's masks have "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 import re
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from pipeline.compare import (
     CompareError,
     cut_cell,
     main,
+    mean_se,
     path_like,
     replica_key,
     resolve_tracking_uri,
@@ -652,3 +654,10 @@ def test_over_seeds_needs_runs_with_params(seeds_store, capsys):
 )
 def test_replica_key(name, params, expected):
     assert replica_key(name, params) == expected
+
+
+def test_mean_se_of_a_diverged_run_is_nan_not_an_error():
+    assert math.isnan(mean_se([0.5, math.inf, -math.inf], 3).mean)  # fsum(inf, -inf) raises ValueError
+    assert math.isnan(mean_se([0.5, math.nan], 2).se)
+    same = mean_se([1.0, 2.0, 3.0], 3)
+    assert same.mean == 2.0 and same.se == pytest.approx(1 / math.sqrt(3))

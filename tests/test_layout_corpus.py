@@ -249,6 +249,10 @@ def test_config_takes_layout_and_checks_its_sizes(tmp_path):
     assert m.classes == layout_class_names(3) and m.segmentation_classes == segmentation_class_names(3)
     member_names = [n for n, _ in tar_members(tmp_path / "syn" / m.shards[0].path)]
     assert member_names[:3] == [f"syn0000_000000000.{e}" for e in ("jpg", MASK_EXT, "json")]
+    prepare_data(cfg)  # present, and as configured: kept
+    # Generated earlier with other settings: refused, not trained on silently.
+    with pytest.raises(ConfigError, match=r"other data.synthetic settings \(objects 3 there, 4 configured\)"):
+        prepare_data(load_config(smoke, [*overrides, "data.synthetic.objects=4"]))
     with pytest.raises(ConfigError, match="at least 16"):
         load_config(smoke, [*overrides, "data.synthetic.width=12"])
     with pytest.raises(ConfigError, match="objects"):
@@ -368,5 +372,5 @@ def test_verify_names_a_mask_of_the_wrong_size_or_values(layout_dataset):
     assert f"bad shard train/shard-000002.tar key {small}: mask seg.png is 24x20, the image 48x40" in problems
     assert (
         f"bad shard train/shard-000002.tar key {high}: mask seg.png has value 5, manifest.json lists 5 "
-        "segmentation_classes" in problems
+        "segmentation_classes (255 marks ignored pixels)" in problems
     )

@@ -8,6 +8,8 @@ import io
 import itertools
 import json
 import shutil
+import subprocess
+import sys
 from collections import Counter
 from datetime import timedelta
 from pathlib import Path
@@ -407,3 +409,46 @@ def test_jpeg_draft_only_where_the_crop_keeps_the_target_resolution():
     ref_img.load()  # decoded in full: no draft possible any more
     ref = transforms.train_tensor(ref_img, 224, np.random.default_rng(0), min_scale=0.9).numpy()
     assert out.shape == ref.shape == (3, 224, 224) and np.abs(out.astype(int) - ref.astype(int)).mean() < 4
+
+
+# A rank that got SIGTERM (to its whole process group, as launchers send it) keeps reading batches until it has
+# checkpointed; a process whose loader is left running after an error still exits.
+_SIGNALS_SCRIPT = """
+import os, signal, sys
+from pipeline.config import DataConfig
+from pipeline.data.loader import make_train_loader
+from pipeline.data.sources import dataset_info
+info = dataset_info(sys.argv[1], "train")
+loader = make_train_loader(info, DataConfig(train=sys.argv[1], batch_size=4, num_workers=2), rank=0, world_size=1,
+                           img_size=16, seed=0)
+batches = iter(loader)
+next(batches)
+if sys.argv[2] == "group-sigterm":
+    signal.signal(signal.SIGTERM, lambda *a: print("rank got SIGTERM", flush=True))
+    os.killpg(os.getpgrp(), signal.SIGTERM)
+    for _ in range(6):  # both workers still answer
+        next(batches)
+    print("batches after SIGTERM", flush=True)
+else:
+    raise RuntimeError("a stage failing with its loader still running")
+"""
+
+
+@pytest.mark.parametrize("case", ["group-sigterm", "error"])
+def test_loader_workers_outlive_a_group_sigterm_and_never_hold_an_exiting_process(even, tmp_path, case):
+    script = tmp_path / "signals.py"
+    script.write_text(_SIGNALS_SCRIPT)
+    # Its own session: the group-wide SIGTERM must not reach pytest.
+    proc = subprocess.run(
+        [sys.executable, str(script), str(even[0]), case],
+        capture_output=True,
+        text=True,
+        timeout=60,  # an exit that waited on a worker ignoring SIGTERM hung here forever
+        start_new_session=True,
+        cwd=Path(__file__).parents[1],
+    )
+    if case == "group-sigterm":
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "rank got SIGTERM" in proc.stdout and "batches after SIGTERM" in proc.stdout
+    else:
+        assert proc.returncode == 1 and "a stage failing with its loader still running" in proc.stderr

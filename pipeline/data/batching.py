@@ -21,10 +21,9 @@ import torch
 from PIL import Image
 from torch.utils.data import get_worker_info
 
-from data_prep.layout import MASK_EXT  # a segmentation dataset's per-pixel classes: KEY.seg.png
+from data_prep.layout import MASK_EXT, MASK_IGNORE, mask_problem  # KEY.seg.png: per-pixel classes
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
-MASK_IGNORE = 255  # mask value that counts in no loss or metric (padding slots)
 
 
 def loader_worker() -> tuple[int, int]:
@@ -77,15 +76,9 @@ def decode_pair(
         members = sorted(k for k in sample if not k.startswith("__"))
         raise ValueError(f"no {MASK_EXT} mask member (it has {members}); segmentation needs KEY.{MASK_EXT}")
     with Image.open(io.BytesIO(data)) as mask, Image.open(io.BytesIO(image_bytes(sample))) as img:
-        if mask.mode != "L":
-            raise ValueError(f"its mask is mode {mask.mode}, expected L (8-bit class indices)")
-        if mask.size != img.size:
-            raise ValueError(f"its mask is {mask.width}x{mask.height}, its image {img.width}x{img.height}")
-        top = mask.getextrema()[1]
-        if top >= mask_classes:
-            raise ValueError(
-                f"its mask holds class {top}, outside 0..{mask_classes - 1} (segmentation_classes)"
-            )
+        problem = mask_problem(mask, img.size, mask_classes)
+        if problem:
+            raise ValueError(problem)
         image, target = transform(img, mask)
     return image, target, labels
 

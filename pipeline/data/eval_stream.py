@@ -21,7 +21,6 @@ import torch
 from PIL import Image
 from torch.utils.data import IterableDataset
 
-from data_prep.layout import DatasetError
 from pipeline.data.batching import BatchBuilder, decode, decode_pair, loader_worker
 from pipeline.data.shard_reader import SkipCounter, count_samples, read_shards
 from pipeline.data.sources import DatasetInfo
@@ -56,10 +55,7 @@ class EvalStream(IterableDataset):
         self.rank, self.world_size = rank, world_size
         self.batch_size, self.img_size, self.crop_fraction = batch_size, img_size, crop_fraction
         self.max_skip_fraction = max_skip_fraction
-        if masks and info.segmentation_classes is None:
-            raise DatasetError(
-                f"{info.urls[0]}...: masks were asked for, and the manifest lists no segmentation_classes"
-            )
+        self.mask_classes = info.mask_classes() if masks else 0
         self.masks = masks
         self.by_shard = len(info.urls) >= world_size
         starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
@@ -142,7 +138,7 @@ class EvalStream(IterableDataset):
             try:
                 if self.masks:
                     image, mask, labels = decode_pair(
-                        sample, info.multi_label, info.num_classes, len(info.segmentation_classes), self._pair
+                        sample, info.multi_label, info.num_classes, self.mask_classes, self._pair
                     )
                 else:
                     image, labels = decode(sample, info.multi_label, info.num_classes, self._transform)

@@ -22,7 +22,7 @@ augmentation and skip budget; the call gives what differs per rank and per run.
 
 from __future__ import annotations
 
-import signal
+import os
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
@@ -33,10 +33,13 @@ from pipeline.data.sources import DatasetInfo
 from pipeline.data.train_stream import ShardStream
 
 
-def _ignore_sigterm(worker_id: int) -> None:
-    # A launcher's SIGTERM (torchrun, a scheduler) reaches the whole process group: loader workers must
-    # not die of it, or the rank fails before it can checkpoint. The rank shuts its workers down itself.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def _own_process_group(worker_id: int) -> None:
+    # A launcher's SIGTERM (torchrun, a scheduler, Ctrl-C) reaches the rank's whole process group: loader
+    # workers must not die of it, or the rank fails before it can checkpoint. In a group of their own they
+    # do not get it; the rank shuts them down itself. They still die of a SIGTERM sent to them: ignoring the
+    # signal instead made an exiting process whose loader was left running (after an error) wait forever,
+    # since multiprocessing ends daemonic children at exit with SIGTERM, then joins them.
+    os.setpgrp()
 
 
 def _data_loader(stream: IterableDataset, num_workers: int, seed: int, **kw) -> DataLoader:
@@ -48,7 +51,7 @@ def _data_loader(stream: IterableDataset, num_workers: int, seed: int, **kw) -> 
         # Its own generator: drawing worker seeds from the global RNG would shift the model's random
         # stream (stochastic depth) by one draw on resume, and break exactness.
         generator=torch.Generator().manual_seed(seed),
-        worker_init_fn=_ignore_sigterm,
+        worker_init_fn=_own_process_group,
         **kw,
     )
 

@@ -35,6 +35,16 @@ class DatasetInfo:
     shard_counts: list[int] | None = None  # per URL, from the manifest
     segmentation_classes: list[str] | None = None  # per-pixel mask classes (KEY.seg.png), from the manifest
 
+    def mask_classes(self) -> int:
+        """Classes of the per-pixel masks (KEY.seg.png) a segmentation stage reads; an error naming the
+        dataset when its manifest lists none."""
+        if self.segmentation_classes is None:
+            raise DatasetError(
+                f"{self.urls[0]}...: per-pixel masks were asked for, and the manifest lists no "
+                "segmentation_classes (write a dataset with masks, e.g. vitpipe shard synthetic --layout)"
+            )
+        return len(self.segmentation_classes)
+
     def epoch_batches(self, world_size: int, batch_size: int, num_workers: int = 1) -> int | None:
         return epoch_batches(self, world_size, batch_size, num_workers)
 

@@ -124,10 +124,7 @@ class ShardStream(IterableDataset):
             raise ValueError(
                 "masks (segmentation) need decode='cpu' and no RandAugment: both move pixels off their mask"
             )
-        if masks and info.segmentation_classes is None:
-            raise DatasetError(
-                f"{info.urls[0]}...: masks were asked for, and the manifest lists no segmentation_classes"
-            )
+        self.mask_classes = info.mask_classes() if masks else 0
         workers = max(1, num_workers)
         slots = world_size * workers
         if not resampled and len(info.urls) < slots:
@@ -262,7 +259,7 @@ class ShardStream(IterableDataset):
                 sample,
                 multi,
                 k,
-                len(self.info.segmentation_classes),
+                self.mask_classes,
                 partial(train_pair, size=self.img_size, rng=rng, min_scale=self.min_scale, hflip=self.hflip),
             )
             return builder.add(image, labels, sample["__key__"], mask)

@@ -81,12 +81,22 @@ def draft_for_box(img: Image.Image, box: Box, size: int) -> tuple[Image.Image, B
     A no-op (same image, same box) for other formats, already-decoded images, and crops too small
     to shrink: quality at the target size is never lower than decoding at full scale.
     """
+    img, box, _ = _drafted(img, box, size)
+    return img, box
+
+
+def _drafted(img: Image.Image, box: Box, size: int) -> tuple[Image.Image, Box, tuple[float, float]]:
+    """`draft_for_box`, also returning the scale (x, y) from original to decoded pixels. The scale is the
+    decoder's (1/2, 1/4, 1/8), not decoded size / original size: 500 px at 1/8 decode to 63 pixels that
+    hold 62.5 pixels' worth of the image."""
     width, height = img.size
-    img.draft(img.mode, draft_request(width, height, box, size))
-    if img.size == (width, height):
-        return img, box
-    sx, sy = img.width / width, img.height / height
-    return img, (box[0] * sx, box[1] * sy, min(box[2] * sx, img.width), min(box[3] * sy, img.height))
+    drafted = img.draft(img.mode, draft_request(width, height, box, size))
+    if drafted is None or img.size == (width, height):
+        return img, box, (1.0, 1.0)
+    extent = drafted[1]  # (0, 0, width * scale, height * scale)
+    sx, sy = extent[2] / width, extent[3] / height
+    scaled = (box[0] * sx, box[1] * sy, min(box[2] * sx, img.width), min(box[3] * sy, img.height))
+    return img, scaled, (sx, sy)
 
 
 def _int_box(box: Box, width: int, height: int) -> tuple[int, int, int, int]:
@@ -238,6 +248,16 @@ def mask_crop(mask: Image.Image, box: Box, size: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(crop.tobytes()), dtype=torch.uint8).view(size, size)
 
 
+def _crop_pair(img: Image.Image, mask: Image.Image, box: Box, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The crop `box` of an image and of its mask, both resized to size x size, covering the same pixels: the
+    mask is cropped where the (possibly reduced-scale) decoded image's whole-pixel crop lies."""
+    img, scaled, (sx, sy) = _drafted(img, box, size)
+    left, top, right, bottom = _int_box(scaled, img.width, img.height)
+    image = resized_crop(img, (left, top, right, bottom), size)
+    in_mask = (left / sx, top / sy, min(right / sx, mask.width), min(bottom / sy, mask.height))
+    return image, mask_crop(mask, in_mask, size)
+
+
 def train_pair(
     img: Image.Image,
     mask: Image.Image,
@@ -247,24 +267,17 @@ def train_pair(
     hflip: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`train_tensor` (no RandAugment) of an image and its class mask of the same size: one crop box and one
-    flip, drawn in `train_tensor`'s order -> (uint8 [3, size, size], uint8 [size, size])."""
-    box = random_resized_crop_box(img.width, img.height, rng, scale=(min_scale, 1.0))
-    target = mask_crop(mask, box, size)
-    img, box = draft_for_box(img, box, size)
-    out = resized_crop(img, box, size)
-    if hflip and rng.random() < 0.5:
-        return out.flip(-1), target.flip(-1)
-    return out, target
+    flip (`train_crop_plan`, `train_tensor`'s draws) -> (uint8 [3, size, size], uint8 [size, size])."""
+    box, flip = train_crop_plan(img.width, img.height, rng, min_scale, hflip)
+    image, target = _crop_pair(img, mask, box, size)
+    return (image.flip(-1), target.flip(-1)) if flip else (image, target)
 
 
 def eval_pair(
     img: Image.Image, mask: Image.Image, size: int, crop_fraction: float = 0.875
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`eval_tensor` of an image and its class mask: the same centre crop of both."""
-    box = center_crop_box(img.width, img.height, size, crop_fraction)
-    target = mask_crop(mask, box, size)
-    img, box = draft_for_box(img, box, size)
-    return resized_crop(img, box, size), target
+    return _crop_pair(img, mask, center_crop_box(img.width, img.height, size, crop_fraction), size)
 
 
 def train_crop_plan(

@@ -119,11 +119,11 @@ def _palette(n: int) -> np.ndarray:
 def segmentation_figure(
     images: torch.Tensor, true: torch.Tensor, pred: torch.Tensor, class_names: list[str], out: Path
 ) -> Path:
-    """Rows of (image, true mask, predicted mask) for up to 8 eval images: images uint8 [n, 3, H, W],
+    """Rows of (image, true mask, predicted mask), one per eval image: images uint8 [n, 3, H, W],
     masks [n, H, W] class indices (MASK_IGNORE pixels drawn white); a legend names the colours."""
     from matplotlib.patches import Patch  # heavy: see pipeline.models.analysis.new_figure
 
-    n = min(8, images.shape[0])
+    n = images.shape[0]
     palette = np.concatenate([_palette(len(class_names)), np.ones((1, 3))])  # the last: ignored pixels
 
     def colour(mask: torch.Tensor) -> np.ndarray:

@@ -72,10 +72,13 @@ class SplitPass:
 # ---------------------------------------------------------------- model
 
 
-def load_model(cfg: StageConfig, num_classes: int, device: torch.device) -> tuple[nn.Module, dict]:
-    """The stage's model built as the training loop builds it, with the export's weights; eval mode."""
+def load_model(
+    cfg: StageConfig, num_classes: int, device: torch.device, classifier: bool = True
+) -> tuple[nn.Module, dict]:
+    """The stage's model built as the training loop builds it, with the export's weights; eval mode.
+    `classifier`: it must be one (forward_features, forward_head); a SETR model is evaluated per pixel."""
     model = create_model(cfg.model.name, **model_kwargs(cfg, num_classes))
-    if not (hasattr(model, "forward_features") and hasattr(model, "forward_head")):
+    if classifier and not (hasattr(model, "forward_features") and hasattr(model, "forward_head")):
         raise ValueError(
             f"kind: eval needs a classifier (forward_features, forward_head): {cfg.model.name} is "
             f"{type(model).__name__}; evaluate the exported encoder's model name instead"
@@ -274,7 +277,11 @@ def evaluate(
         # -- passes: eval split in full; train split up to the cap, in whole batches on every rank
         linear = bool(e.fewshot_shots) or e.linear_probe
         loader_args = dict(
-            rank=ctx.rank, world_size=ctx.world_size, batch_size=batch_size, img_size=cfg.model.img_size
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            batch_size=batch_size,
+            img_size=cfg.model.img_size,
+            crop_fraction=e.crop_fraction,
         )
         eval_loader = make_eval_loader(info, cfg.data, **loader_args)
         test = embed_split(model, eval_loader, ctx.device, with_logits=e.classification, amp_dtype=amp)
@@ -317,25 +324,31 @@ def evaluate(
                     log.exception("figures failed")
                     details["figures_skipped"] = {"all": f"failed: {exc!r}"}
             seen = details.get("eval_samples")
-            if seen is not None and info.num_samples is not None and seen < info.num_samples:
-                # unreadable samples within data.max_skip_fraction: counted, never a silently short pass
-                details["eval_unreadable"] = info.num_samples - seen
-                log.warning(
-                    "%s: evaluated %d of the %d samples of split %r; %d unreadable (skipped within "
-                    "data.max_skip_fraction %g)",
-                    cfg.name,
-                    seen,
-                    info.num_samples,
-                    e.eval_split,
-                    info.num_samples - seen,
-                    cfg.data.max_skip_fraction,
-                )
+            if seen is not None:
+                _count_unreadable(cfg, info, seen, details)
         shared = [metrics, details]
         dist.broadcast_object_list(shared, src=0, group=ctx.control_group)
         metrics, details = shared
         _finish(cfg, ctx, tracker, metrics, details, meta, report)
     dist.barrier()
     return metrics
+
+
+def _count_unreadable(cfg: StageConfig, info: DatasetInfo, seen: int, details: dict) -> None:
+    """Rank 0: samples of the split left unread (skipped within data.max_skip_fraction) go to eval.json and
+    the log: counted, never a silently short pass."""
+    if info.num_samples is None or seen >= info.num_samples:
+        return
+    details["eval_unreadable"] = info.num_samples - seen
+    log.warning(
+        "%s: evaluated %d of the %d samples of split %r; %d unreadable (skipped within data.max_skip_fraction %g)",
+        cfg.name,
+        seen,
+        info.num_samples,
+        cfg.eval.eval_split,
+        info.num_samples - seen,
+        cfg.data.max_skip_fraction,
+    )
 
 
 def _finish(
@@ -382,9 +395,7 @@ def evaluate_segmentation(
     batch_size = e.batch_size or cfg.data.batch_size
     classes = list(info.segmentation_classes or [])
     num_classes = output_classes(cfg, info)
-    model = create_model(cfg.model.name, **model_kwargs(cfg, num_classes))
-    meta = init_weights(model, cfg.model.init_from, cfg.model.init_head)
-    model = model.to(ctx.device).eval().requires_grad_(False)
+    model, meta = load_model(cfg, num_classes, ctx.device, classifier=False)
     amp = _amp_dtype(cfg, ctx.device)
     tags = {"kind": "eval", "init_from": str(cfg.model.init_from)}
     with stage.tracking(tags, parent_run_id) as tracker:
@@ -401,6 +412,7 @@ def evaluate_segmentation(
             world_size=ctx.world_size,
             batch_size=batch_size,
             img_size=cfg.model.img_size,
+            crop_fraction=e.crop_fraction,
             masks=True,
         )
         conf = torch.zeros(num_classes, num_classes, dtype=torch.int64)
@@ -410,15 +422,17 @@ def evaluate_segmentation(
             for batch in loader:
                 x = normalize(batch["image"].to(ctx.device, non_blocking=True))
                 with torch.autocast(ctx.device.type, dtype=amp or torch.float32, enabled=amp is not None):
-                    pred = model(x).argmax(1).cpu()  # [B, H, W]
+                    pred = model(x).argmax(1)  # [B, H, W] on the device
                 valid, target = batch["valid"], batch["mask"]
                 counted = (target != MASK_IGNORE) & valid[:, None, None]
-                conf += confusion_matrix(pred, target, num_classes, counted)
+                dev = ctx.device
+                conf += confusion_matrix(
+                    pred, target.to(dev), num_classes, counted.to(dev)
+                ).cpu()  # K x K moves
                 seen += int(valid.sum())
                 if len(shown) < FIGURE_ROWS:
-                    shown += list(zip(batch["image"][valid], target[valid], pred[valid]))[
-                        : FIGURE_ROWS - len(shown)
-                    ]
+                    rows = zip(batch["image"][valid], target[valid], pred.cpu()[valid])
+                    shown += list(rows)[: FIGURE_ROWS - len(shown)]
         dist.all_reduce(conf, group=ctx.control_group)  # gloo: CPU tensors whatever the training backend
         dist.all_reduce(seen, group=ctx.control_group)
         scores = segmentation_scores(conf)
@@ -432,21 +446,20 @@ def evaluate_segmentation(
             "iou_per_class": dict(zip(classes or map(str, range(num_classes)), scores["iou"])),
         }
         if ctx.is_main and e.figures:
-            if shown:
-                images, true, pred = (torch.stack(t) for t in zip(*shown))
-                out = cfg.run_path / "figures" / "segmentation_masks.png"
-                tracker.log_artifact(str(segmentation_figure(images, true, pred, classes, out)), "figures")
-            else:
+            if not shown:
                 details["figures_skipped"] = {"segmentation_masks": "no readable eval image on rank 0"}
-        if info.num_samples is not None and int(seen) < info.num_samples:
-            details["eval_unreadable"] = info.num_samples - int(seen)
-            log.warning(
-                "%s: evaluated %d of the %d samples of split %r",
-                cfg.name,
-                int(seen),
-                info.num_samples,
-                e.eval_split,
-            )
+            try:
+                if shown:
+                    images, true, pred = (torch.stack(t) for t in zip(*shown))
+                    out = cfg.run_path / "figures" / "segmentation_masks.png"
+                    tracker.log_artifact(
+                        str(segmentation_figure(images, true, pred, classes, out)), "figures"
+                    )
+            except Exception as exc:  # figures are optional: a plotting failure must not lose the metrics
+                log.exception("segmentation figure failed")
+                details["figures_skipped"] = {"segmentation_masks": f"failed: {exc!r}"}
+        if ctx.is_main:
+            _count_unreadable(cfg, info, int(seen), details)
         _finish(cfg, ctx, tracker, metrics, details, meta, report)
     dist.barrier()
     return metrics

@@ -139,6 +139,11 @@ class SETR(nn.Module):
                     )
                 self.load_state_dict({**self.state_dict(), **theirs})
             return
+        if init_head:
+            raise KeyError(
+                "the export is a plain ViT's (no encoder.* keys): it has no SETR decoder to load; use it with "
+                "init_head: false to start segmentation from its encoder"
+            )
         load_timm_state_dict(self.encoder, state, strict_head=False, reset_head=True)
 
 

@@ -11,7 +11,7 @@ import socket
 import sys
 from collections.abc import Callable
 
-from data_prep.layout import has_dataset
+from data_prep.layout import has_dataset, read_manifest
 from data_prep.synthetic import class_names, layout_class_names, segmentation_class_names, synthetic_samples
 from data_prep.writer import write_dataset
 from pipeline.config import ConfigError, StageConfig, check_inputs, load_config
@@ -24,7 +24,19 @@ def prepare_data(cfg: StageConfig) -> None:
     """Generate the configured synthetic corpus once, before any rank starts (no-op if present); the
     layout corpus (`layout: true`) with its masks and the manifest's segmentation_classes."""
     syn = cfg.data.synthetic
-    if syn is None or has_dataset(cfg.data.train):
+    if syn is None:
+        return
+    if has_dataset(cfg.data.train):
+        # A dataset generated earlier with other settings would be trained on silently: refuse it.
+        made = read_manifest(cfg.data.train).options
+        wanted = syn.model_dump()
+        differ = sorted(k for k in wanted if k in made and made[k] != wanted[k])
+        if differ:
+            shown = ", ".join(f"{k} {made[k]!r} there, {wanted[k]!r} configured" for k in differ)
+            raise ConfigError(
+                f"data.train: {cfg.data.train} holds a synthetic corpus generated with other data.synthetic "
+                f"settings ({shown}); delete it to generate the configured one, or point data.train elsewhere"
+            )
         return
     samples = synthetic_samples(
         syn.num,
