@@ -92,8 +92,8 @@ def _similarity_figure(sim: np.ndarray, h: int, w: int) -> Figure:
     ax.set_yticks([r * (h + 1) + (h - 1) / 2 for r in range(h)], [str(r + 1) for r in range(h)], fontsize=6)
     ax.set_xlabel("Input patch column")
     ax.set_ylabel("Input patch row")
-    ax.set_title(f"Position embedding similarity (colours span {lo:.2f} to {hi:.2f})")
-    fig.colorbar(img, ax=ax, label="Cosine similarity")
+    ax.set_title("Position embedding similarity")
+    fig.colorbar(img, ax=ax, label=f"Cosine similarity (scale {lo:.2f} to {hi:.2f})")
     return fig
 
 
