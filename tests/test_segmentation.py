@@ -308,3 +308,20 @@ def test_setr_trains_from_an_mae_encoder_under_every_zero_stage_and_reports_miou
     assert dict(history(tmp_path / "seg_eval", "eval/miou")) == {30: pytest.approx(metrics["eval/miou"])}
     figure = tmp_path / "seg_eval" / "figures" / "segmentation_masks.png"
     assert figure.stat().st_size > 10_000 and Image.open(figure).size[1] > Image.open(figure).size[0]
+
+
+@pytest.mark.unit
+def test_a_dataset_without_masks_is_refused_before_anything_starts(tmp_path):
+    from data_prep.synthetic import class_names, synthetic_samples
+    from data_prep.writer import write_dataset
+    from pipeline.config import input_problems
+    from pipeline.data.sources import dataset_info
+
+    plain = tmp_path / "plain"
+    write_dataset(plain, synthetic_samples(8, 3, width=24, height=20), class_names(3), True, 8)
+    raw = {"name": "s", "data": {"train": str(plain)}, "model": {"name": "setr_naive_vit_debug"}}
+    cfg = validate_config({**raw, "objective": {"name": "segmentation"}})
+    (problem,) = input_problems(cfg)
+    assert str(plain) in problem and "needs per-pixel masks" in problem and "segmentation_classes" in problem
+    with pytest.raises(ValueError, match="per-pixel masks were asked for"):
+        dataset_info(plain, "train").mask_classes()
