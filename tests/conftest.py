@@ -124,6 +124,15 @@ def counted_macs(model: torch.nn.Module, img_size: int, device: str = "cpu") -> 
 # ---------------------------------------------------------------------- torchrun runs and what they logged
 
 
+def vitpipe_shard(*args, env=None, expect=0) -> subprocess.CompletedProcess:
+    """`vitpipe shard ARGS` from the repository root; asserts its exit status and that nothing crashed."""
+    cmd = [sys.executable, "-m", "vitpipe", "shard", *map(str, args)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == expect, f"{cmd} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc
+
+
 def torchrun(*args: str, nproc: int = 2, timeout: int = 900) -> subprocess.CompletedProcess:
     """A test script under torchrun on `nproc` gloo ranks (one intra-op thread each), from the repository root."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]

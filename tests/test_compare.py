@@ -313,15 +313,21 @@ def test_default_store_follows_the_train_layout(tmp_path, monkeypatch):
 MANY = {f"optim.schedule_param_{i:02d}": "cosine_with_restarts_{}" for i in range(12)}
 
 
-@pytest.fixture(scope="module")
-def stages_store(tmp_path_factory) -> dict[str, str]:
+def _experiment_store(tmp_path_factory, name: str):
+    """(uri, client, experiment id) of a new SQLite MLflow store holding one experiment `name`."""
     from mlflow import MlflowClient
-    from mlflow.entities import Metric, Param
 
-    root = tmp_path_factory.mktemp("mlflow_stages")
+    root = tmp_path_factory.mktemp(f"mlflow_{name}")
     uri = f"sqlite:///{root / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri)
-    exp = client.create_experiment("stages", artifact_location=(root / "artifacts").as_uri())
+    return uri, client, client.create_experiment(name, artifact_location=(root / "artifacts").as_uri())
+
+
+@pytest.fixture(scope="module")
+def stages_store(tmp_path_factory) -> dict[str, str]:
+    from mlflow.entities import Metric, Param
+
+    uri, client, exp = _experiment_store(tmp_path_factory, "stages")
     stages = [("pretrain", "0.0015"), ("finetune", "0.005"), ("finetune_scratch", "0.005")]
     for k, (name, lr) in enumerate(stages):
         run_id = client.create_run(exp, start_time=1_000 * (k + 1), run_name=name).info.run_id
@@ -331,7 +337,7 @@ def stages_store(tmp_path_factory) -> dict[str, str]:
             "data.train": f"/work/main/data/demo/{'synthetic' if k == 0 else 'digits'}",
             "model.init_from": "/work/main/runs/demo/pretrain/export" if k == 1 else "None",
             "checkpoint.uri": f"s3://bucket/demo/{name}",
-            "tracking.uri": f"sqlite:///{root / name}.db",
+            "tracking.uri": f"sqlite:////work/main/runs/demo/{name}.db",
             "optim.lr": lr,
             "objective.name": "mae" if k == 0 else "supervised_softmax",
             **{key: value.format(k) for key, value in MANY.items()},
@@ -481,13 +487,9 @@ SEED_TABLE = [
 
 @pytest.fixture(scope="module")
 def seeds_store(tmp_path_factory) -> dict[str, str]:
-    from mlflow import MlflowClient
     from mlflow.entities import Metric, Param
 
-    root = tmp_path_factory.mktemp("mlflow_seeds")
-    uri = f"sqlite:///{root / 'mlflow.db'}"
-    client = MlflowClient(tracking_uri=uri)
-    exp = client.create_experiment("seeds", artifact_location=(root / "artifacts").as_uri())
+    uri, client, exp = _experiment_store(tmp_path_factory, "seeds")
     runs = "/work/main/runs/seeds"
     parent = client.create_run(exp, start_time=1_000, run_name="seeds").info.run_id
     client.log_metric(parent, "finetune_s0/top1", 0.8)

@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
+from conftest import vitpipe_shard as shard
 from PIL import Image
 
 from data_prep.layout import DatasetError, read_manifest
@@ -46,14 +47,6 @@ SYNTHETIC = [
     "--workers",
     1,
 ]
-
-
-def shard(*args, expect=0) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "vitpipe", "shard", *map(str, args)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == expect, f"{cmd} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    assert "Traceback" not in proc.stderr, proc.stderr
-    return proc
 
 
 def bucket_files(uri: str) -> dict[str, int]:

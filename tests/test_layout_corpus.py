@@ -9,13 +9,12 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import subprocess
-import sys
 import tarfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import vitpipe_shard as shard
 from PIL import Image
 
 from data_prep.images import fitted_size
@@ -39,14 +38,6 @@ from pipeline.train.launch import prepare_data
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[1]
-
-
-def shard(*args, expect=0) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "vitpipe", "shard", *map(str, args)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == expect, f"{cmd} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    assert "Traceback" not in proc.stderr, proc.stderr
-    return proc
 
 
 def decode(data: bytes) -> Image.Image:

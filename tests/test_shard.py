@@ -18,20 +18,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import webdataset as wds
+from conftest import vitpipe_shard as shard
 from PIL import Image
 
 from data_prep.layout import read_manifest
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[1]
-
-
-def shard(*args, env=None, expect=0) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "vitpipe", "shard", *map(str, args)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == expect, f"{cmd} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    assert "Traceback" not in proc.stderr, proc.stderr
-    return proc
 
 
 def shard_hashes(root: Path) -> dict[str, str]:
