@@ -47,7 +47,16 @@ class DistContext:
 def _deepspeed():
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     import deepspeed
+    import deepspeed.ops
 
+    if os.environ["DS_ACCELERATOR"] == "cpu" and "__compatible_ops__" not in vars(deepspeed.ops):
+        # DeepSpeed's CPU communication backend JIT-compiles its shared-memory all-reduce op
+        # (deepspeed_shm_comm, C++) at every process-group start, after probing every op's compatibility
+        # with compiler subprocesses. Only `inference_all_reduce` (DeepSpeed inference) uses the op; training
+        # reduces over gloo. The compile took minutes on a fresh machine with every other DeepSpeed process
+        # waiting on its lock (and forever, if the compiling process was killed). deepspeed.ops caches the
+        # probe in this dict, which comm/torch.py alone reads: answer "not compatible" without probing.
+        deepspeed.ops.__compatible_ops__ = {"deepspeed_shm_comm": False}
     return deepspeed
 
 
