@@ -7,8 +7,16 @@
     ckpt_dir/latest           the newest complete tag, replaced atomically (write tmp, rename)
 
 Resume walks the tags newest first and takes the first one that is complete and whose files match
-COMPLETE.json; a newest checkpoint cut short or corrupted is skipped with a warning. All ranks agree
-on the choice through an all-reduce, so no rank loads a different step than another.
+COMPLETE.json; a newest checkpoint cut short or corrupted is skipped with a warning. All ranks walk one
+list (the union of every node's local tags and the stored ones, gathered before the walk: nodes without
+a shared disk hold different sets) and agree on each tag through an all-reduce, so no rank loads a
+different step than another.
+
+Nodes need not share a disk: each node's first local rank removes a leftover of an interrupted save,
+writes COMPLETE.json and `latest` on its own disk (where rank 0's copy is not), and prunes its disk to
+`keep_last` tags once the new tag is complete everywhere. A rank checks only the files it reads (its own
+shard and state, and the model states), so a tag is loadable on a node that holds its ranks' part of it;
+ZeRO 0-2 read rank 0's model states on every rank, which only a shared disk or `checkpoint.uri` provides.
 
 With a remote store (`checkpoint.uri`: s3://, gs://, ...), each rank uploads the files it wrote, and
 rank 0 uploads COMPLETE.json and then `latest` once every rank has: a remote tag without
@@ -91,6 +99,19 @@ def owned_by(name: str, rank: int) -> bool:
     )
 
 
+def stale_tags(tags: list[str], tag: str, keep_last: int) -> list[str]:
+    """Which of `tags` to delete once `tag` is complete: all but `tag` and the keep_last - 1 newest before
+    it. Tags newer than `tag` stay (a resume skipped them; they are evidence, and the save overwrites its
+    own tag anyway)."""
+    older = sorted(t for t in tags if t.startswith("step_") and t < tag)
+    return older[: max(0, len(older) - (keep_last - 1))]
+
+
+def _prune_local(ckpt_dir: Path, tag: str, keep_last: int) -> None:
+    for old in stale_tags([p.name for p in ckpt_dir.glob("step_*") if p.is_dir()], tag, keep_last):
+        shutil.rmtree(ckpt_dir / old, ignore_errors=True)  # another node may prune a shared disk too
+
+
 def save(
     engine,
     ckpt_dir: Path,
@@ -100,12 +121,19 @@ def save(
     extra: dict | None = None,
     group=None,
     store: Store | None = None,
+    local_rank: int = 0,
 ) -> Path:
-    """Collective: every rank must call it (rank-0-only saving hangs, DeepSpeed issue 2993)."""
+    """Collective: every rank must call it (rank-0-only saving hangs, DeepSpeed issue 2993).
+
+    Every node's first local rank (`local_rank` 0) tends its own disk: without a shared filesystem the
+    other nodes' tags are not on rank 0's disk.
+    """
     tag = tag_for(step)
     tag_dir = ckpt_dir / tag
-    if rank == 0 and tag_dir.exists():
-        shutil.rmtree(tag_dir)  # a leftover of a run killed mid-save: never mix old and new files
+    if local_rank == 0 and tag_dir.exists():
+        # A leftover of a run killed mid-save: never mix old and new files. On a shared disk every node
+        # removes it; whichever comes second finds (part of) it gone.
+        shutil.rmtree(tag_dir, ignore_errors=True)
     if rank == 0 and store is not None:
         store.delete_dir(tag)  # likewise remotely (COMPLETE.json goes first with the folder)
     dist.barrier()
@@ -122,29 +150,37 @@ def save(
             store.upload(p, f"{tag}/{p.name}")
     parts: list | None = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(files, parts, dst=0, group=group)
+    box = [None]
     if rank == 0:
         record = {
             "step": step,
             "world_size": dist.get_world_size(),
             "files": {k: v for part in parts for k, v in sorted(part.items())},
         }
-        text = json.dumps(record, indent=1)
+        box[0] = text = json.dumps(record, indent=1)
         atomic.write_text(tag_dir / COMPLETE, text)
         atomic.write_text(ckpt_dir / LATEST, tag)
         if store is not None:
             store.write_text(f"{tag}/{COMPLETE}", text)  # after every rank's upload: the tag is complete
             store.write_text(LATEST, tag)
-            for old in sorted(t for t in store.list_dirs() if t.startswith("step_"))[:-keep_last]:
+            for old in stale_tags(store.list_dirs(), tag, keep_last):
                 store.delete_dir(old)
-        tags = sorted(p for p in ckpt_dir.glob("step_*") if p.is_dir())
-        for old in tags[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+    dist.broadcast_object_list(box, src=0, group=group)
+    if local_rank == 0 and rank != 0 and not (tag_dir / COMPLETE).exists():
+        # A node whose disk rank 0 does not share: its ranks' part of the tag is complete too (rank 0 wrote
+        # its copy before the broadcast, so on a shared disk this finds it and writes nothing).
+        atomic.write_text(tag_dir / COMPLETE, box[0])
+        atomic.write_text(ckpt_dir / LATEST, tag)
+    dist.barrier()  # the new tag is complete: older ones may go, on every node's disk
+    if local_rank == 0:
+        _prune_local(ckpt_dir, tag, keep_last)
     return tag_dir
 
 
 def verify(tag_dir: Path, rank: int, world_size: int) -> str | None:
     """Why this checkpoint cannot be loaded by `rank`, or None if it can."""
+    if not tag_dir.is_dir():
+        return "not on this node's disk (without a shared run_dir, set checkpoint.uri or storage)"
     record_path = tag_dir / COMPLETE
     if not record_path.is_file():
         return "no COMPLETE.json (the save was cut short)"
@@ -156,16 +192,17 @@ def verify(tag_dir: Path, rank: int, world_size: int) -> str | None:
         return (
             f"saved by {record['world_size']} ranks, this run has {world_size} (needs a universal checkpoint)"
         )
-    for name, meta in record["files"].items():
-        path = tag_dir / name
-        if not path.is_file() or path.stat().st_size != meta["bytes"]:
-            return f"{name} is missing or has the wrong size"
-    # Each rank hashes the files it will read: its own ZeRO shard, its own state and the model states.
+    # Each rank checks the files it will read: its own ZeRO shard, its own state and the model states. The
+    # other ranks' files may be on other nodes' disks; their own ranks check them.
     mine = [
         n
         for n in record["files"]
         if f"rank_{rank}_" in n or n == f"rank_{rank}.pt" or n.startswith("mp_rank_")
     ]
+    for name in mine:
+        meta, path = record["files"][name], tag_dir / name
+        if not path.is_file() or path.stat().st_size != meta["bytes"]:
+            return f"{name} is missing or has the wrong size"
     for name in mine:
         if _sha256(tag_dir / name) != record["files"][name]["sha256"]:
             return f"{name} does not match its sha256 (corrupted)"
@@ -205,7 +242,11 @@ def resume(
     """Load the newest complete checkpoint, falling back past broken ones; None if there is none."""
     remote = set(_remote_tags(store, rank, group))
     local = {p.name for p in ckpt_dir.glob("step_*") if p.is_dir()} if ckpt_dir.is_dir() else set()
-    tags = [ckpt_dir / t for t in sorted(local | remote, reverse=True)]
+    # Every rank walks the same list, else the ranks pair up different collectives and hang: nodes that
+    # share no disk see different local tags.
+    seen: list = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, sorted(local), group=group)
+    tags = [ckpt_dir / t for t in sorted(remote.union(*seen), reverse=True)]
     for tag_dir in tags:
         problem = verify(tag_dir, rank, world_size)
         if tag_dir.name in remote and not all_agree(problem is None, group):

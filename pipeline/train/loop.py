@@ -71,17 +71,24 @@ def step_seed(seed: int, step: int, micro: int, rank: int) -> int:
 
 
 class StopRequest:
-    """SIGTERM, or a STOP file in the run directory, asks the loop to checkpoint and stop.
+    """SIGTERM, a STOP file in the run directory, or a STOP object beside the stage's stored checkpoints
+    asks the loop to checkpoint and stop.
 
     The loop checks at every log step (`tracking.log_every`: no collective between them) and all ranks
-    agree before acting. The file serves where
-    no signal reaches the loop: Ray Train runs it in a worker thread, so a job driver that receives
-    `ray job stop`'s SIGTERM writes RUN_DIR/STOP instead.
+    agree before acting. The file serves where no signal reaches the loop: Ray Train runs it in a worker
+    thread, so a job driver that receives `ray job stop`'s SIGTERM writes RUN_DIR/STOP instead. The driver's
+    disk is not every worker's (nodes that share no disk), so it also writes STOP to the stage's object
+    storage (`checkpoint.uri`), which rank 0 polls at most every REMOTE_POLL_S seconds.
     """
 
-    def __init__(self, stop_file: Path) -> None:
+    REMOTE_POLL_S = 5.0
+
+    def __init__(self, stop_file: Path, store: Store | None = None) -> None:
         self.signalled = False
         self.stop_file = stop_file
+        self.store = store
+        self._remote = False
+        self._polled = -float("inf")
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._handle)
         else:  # Ray Train runs the loop in a thread; Ray turns a stop into an exception there instead
@@ -92,7 +99,16 @@ class StopRequest:
 
     @property
     def requested(self) -> bool:
-        return self.signalled or self.stop_file.exists()
+        if self.signalled or self.stop_file.exists():
+            return True
+        if (
+            self.store is not None
+            and not self._remote
+            and time.monotonic() - self._polled >= self.REMOTE_POLL_S
+        ):
+            self._polled = time.monotonic()
+            self._remote = self.store.exists(STOP_FILE)
+        return self._remote
 
     def restore(self) -> None:
         if self._previous is not None:
@@ -186,6 +202,7 @@ def train(
             {"step": step},
             group=ctx.control_group,
             store=store,
+            local_rank=ctx.local_rank,
         )
         ckpt_seconds[0] += time.perf_counter() - t
         return path
@@ -219,13 +236,12 @@ def train(
         "derived.peak_tflops_per_device": None if peak is None else peak / 1e12,
     }
     to_device = batch_to_device(ctx.device, cfg.data, cfg.model.img_size)
-    stop = StopRequest(run_path / STOP_FILE)
-    stop.stop_file.unlink(missing_ok=True)  # a stop request belongs to the run it stopped
-    with stage.tracking({"objective": cfg.objective.name}, parent_run_id, params=derived) as tracker:
+    # A stop request belongs to the run it stopped: the job driver clears both before the stage starts.
+    stop = StopRequest(run_path / STOP_FILE, store if ctx.is_main else None)
+    tags = {"objective": cfg.objective.name}
+    with stage.tracking(tags, parent_run_id, params=derived, resumed=restored is not None) as tracker:
         if ctx.is_main:
-            tracker.set_tags(
-                {"checkpoint_dir": str(ckpt_dir), **({"checkpoint_uri": cfg.checkpoint.uri} if store else {})}
-            )
+            tracker.set_tags({"checkpoint_dir": str(ckpt_dir)})
             print(
                 f"[{cfg.name}] {cfg.model.name} {num_params / 1e6:.2f}M params | "
                 f"{cfg.objective.name} | world {ctx.world_size} | global batch {global_batch} | "
