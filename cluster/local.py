@@ -113,14 +113,18 @@ def _start(cmd: list[str], temp_dir: str) -> None:
 
 
 def _terminate(marker: str) -> None:
-    """Terminate (then kill, after 15 s) every other process whose command line contains `marker`."""
-    procs = []
+    """Terminate (then kill, after 15 s) every other process whose command line contains `marker`, and
+    every descendant of one: a raylet's agents retitle themselves (`ray::DashboardAgent`), so their
+    command lines name no session, and killed after their raylet they lived on as orphans."""
+    found: dict[int, psutil.Process] = {}
     for p in psutil.process_iter(["pid", "cmdline"]):
         try:
             if p.pid != os.getpid() and marker in " ".join(p.info["cmdline"] or []):
-                procs.append(p)
+                found[p.pid] = p
+                found.update((c.pid, c) for c in p.children(recursive=True) if c.pid != os.getpid())
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
+    procs = list(found.values())
     for p in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.terminate()
@@ -128,13 +132,26 @@ def _terminate(marker: str) -> None:
     for p in alive:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
+    psutil.wait_procs(alive, timeout=15)  # gone when this returns, not only signalled
 
 
-def add_worker_node(cluster: LocalCluster, num_cpus: int = 2, name: str = "worker1") -> None:
+def add_worker_node(
+    cluster: LocalCluster,
+    num_cpus: int = 2,
+    name: str = "worker1",
+    own_disk: tuple[str, str] | None = None,
+    node_ip: str = "127.0.0.2",
+) -> None:
     """A second Ray node on this machine (its own raylet, resources and temp dir), joined to the head.
 
     Its own temp dir matters: two raylets sharing one session folder garbage-collect each other's
-    runtime-env packages, deleting a running job's working directory.
+    runtime-env packages, deleting a running job's working directory. Its own loopback address
+    (127.0.0.2, still reachable from this machine only) matters too: Ray Train numbers a worker's local
+    rank among the workers with the same node IP, and a node's first local rank tends its own disk.
+
+    `own_disk=(PATH, FOLDER)`: the node and every process it starts see FOLDER at PATH (a private mount
+    namespace, `unshare --mount`, needs root), while the head and the driver see the real PATH: two nodes
+    with their own local disks at the same paths, as on a GPU cluster with node-local NVMe.
     """
     cmd = [
         _ray_bin(),
@@ -142,7 +159,7 @@ def add_worker_node(cluster: LocalCluster, num_cpus: int = 2, name: str = "worke
         "--address",
         cluster.address,
         "--node-ip-address",
-        "127.0.0.1",
+        node_ip,
         "--temp-dir",
         f"{cluster.temp_dir}-{name}",
         "--num-cpus",
@@ -152,6 +169,13 @@ def add_worker_node(cluster: LocalCluster, num_cpus: int = 2, name: str = "worke
         "--disable-usage-stats",
         *_node_ports(),
     ]
+    if own_disk is not None:
+        path, folder = own_disk
+        Path(path).mkdir(parents=True, exist_ok=True)
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        # `ray start` returns once its daemons run; they keep the namespace (and the mount) alive.
+        mount = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
+        cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount, "sh", folder, path, *cmd]
     _start(cmd, f"{cluster.temp_dir}-{name}")
 
 
@@ -170,12 +194,20 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--temp-dir", default="/tmp/vitpipe-ray")
     s.add_argument("--num-cpus", type=int, default=os.cpu_count() or 2, help="CPUs of each node")
     s.add_argument("--worker-nodes", type=int, default=1, help="extra Ray nodes on this machine")
+    s.add_argument(
+        "--own-disk",
+        metavar="PATH",
+        help="give each extra node its own folder at PATH (PATH.NODE bind-mounted there; needs root): "
+        "a rehearsal of nodes that share no disk",
+    )
     sub.add_parser("stop")
     args = p.parse_args(argv)
     if args.cmd == "start":
         c = start_head(args.temp_dir, args.num_cpus)
         for i in range(args.worker_nodes):
-            add_worker_node(c, args.num_cpus, f"worker{i + 1}")
+            node = f"worker{i + 1}"
+            disk = (args.own_disk, f"{args.own_disk.rstrip('/')}.{node}") if args.own_disk else None
+            add_worker_node(c, args.num_cpus, node, own_disk=disk, node_ip=f"127.0.0.{i + 2}")
         print(f"RAY_ADDRESS={c.address}\nJobs API: {c.dashboard_url}\nclients need RAY_AUTH_MODE=token")
     else:
         stop()

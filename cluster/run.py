@@ -8,7 +8,8 @@ submitted again; an unfinished one resumes from its newest complete checkpoint. 
 per experiment (reopened on resubmission) holds a nested run per stage and a summary of each.
 A worker process that dies mid-stage makes Ray Train restart the worker group (cluster.max_failures
 times); the loop then resumes from the newest checkpoint. `ray job stop` sends this driver SIGTERM:
-it writes RUN_DIR/STAGE/STOP, the loop checkpoints at its next step and ends, and the job exits 143.
+it writes RUN_DIR/STAGE/STOP (and STOP beside the stage's stored checkpoints, for workers on nodes that do
+not share the driver's disk), the loop checkpoints at its next log step and ends, and the job exits 143.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ import ray.train
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
+from cluster.preflight import check_nodes_see, check_not_in_job_copy, job_working_dir
 from data_prep import atomic
 from data_prep.layout import DatasetError
+from data_prep.storage import Store
 from pipeline.config import (
     ConfigError,
     Experiment,
@@ -37,6 +40,7 @@ from pipeline.config import (
 from pipeline.tracking import (
     RUN_ID_FILE,
     end_run,
+    find_stage_run,
     log_to_run,
     open_parent_run,
     read_run_id,
@@ -92,6 +96,7 @@ def run_stage(cfg: StageConfig, parent_run_id: str | None = None):
     """
     prepare_data(cfg)
     connect(cfg.cluster.address)
+    check_nodes_see(cfg)  # a run_dir or dataset one node lacks: refused now, not after max_failures retries
     for key, value in RAY_TRAIN_LOG_ENV.items():
         os.environ.setdefault(key, value)  # read by TorchTrainer.fit() and passed on to its actors
     c = cfg.cluster
@@ -115,23 +120,48 @@ def run_stage(cfg: StageConfig, parent_run_id: str | None = None):
 
 
 def _stage_run_id(cfg: StageConfig) -> str | None:
-    return read_run_id(cfg.run_path / RUN_ID_FILE)
+    """The stage's MLflow run: from its run-id file, or through MLflow by its checkpoint URI where rank 0
+    wrote that file on another node's disk."""
+    found = read_run_id(cfg.run_path / RUN_ID_FILE)
+    if found is None and cfg.checkpoint.uri:
+        found = find_stage_run(cfg.tracking_uri, cfg.tracking.experiment or cfg.name, cfg.checkpoint.uri)
+    return found
+
+
+def _stop_places(cfg: StageConfig) -> tuple[Path, Store | None]:
+    """Where a stop request for the stage goes: its run directory (the workers on this node, or every node
+    on a shared disk) and its object storage (every node)."""
+    return cfg.run_path / STOP_FILE, Store(cfg.checkpoint.uri) if cfg.checkpoint.uri else None
+
+
+def clear_stop(cfg: StageConfig) -> None:
+    """Remove a stop request left by an earlier submission, before the stage's workers start (the loop
+    does not: a request written while they start up must not be lost)."""
+    path, store = _stop_places(cfg)
+    path.unlink(missing_ok=True)
+    if store is not None:
+        store.delete_file(STOP_FILE)
 
 
 class _StopOnSigterm:
-    """`ray job stop` -> SIGTERM here -> a STOP file the running stage's loop sees at its next step."""
+    """`ray job stop` -> SIGTERM here -> a STOP file (and object) the running stage's loop sees at its next
+    log step."""
 
     def __init__(self) -> None:
-        self.stage_dir: Path | None = None
+        self.stage: StageConfig | None = None
         self.stopping = False
         signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum, frame) -> None:
         self.stopping = True
-        if self.stage_dir is not None:
-            self.stage_dir.mkdir(parents=True, exist_ok=True)
-            (self.stage_dir / STOP_FILE).write_text(f"stop requested at {time.time()}\n")
-            print(f"SIGTERM: asked stage {self.stage_dir.name} to checkpoint and stop", flush=True)
+        if self.stage is not None:
+            path, store = _stop_places(self.stage)
+            text = f"stop requested at {time.time()}\n"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            if store is not None:
+                store.write_text(STOP_FILE, text)
+            print(f"SIGTERM: asked stage {self.stage.name} to checkpoint and stop", flush=True)
 
 
 def run_experiment(exp: Experiment) -> int:
@@ -157,13 +187,14 @@ def run_experiment(exp: Experiment) -> int:
             print(f"[{exp.name}] stage {name}: already finished ({done}), skipping", flush=True)
             continue
         print(f"[{exp.name}] stage {name}: starting ({cfg.cluster.num_workers} workers)", flush=True)
-        stopper.stage_dir = cfg.run_path
+        clear_stop(cfg)
+        stopper.stage = cfg
         try:
             result = run_stage(cfg, parent)
             error, metrics = result.error, result.metrics or {}
         except Exception as exc:  # Ray Train v2 raises TrainingFailedError once retries are exhausted
             error, metrics = exc, {}
-        stopper.stage_dir = None
+        stopper.stage = None
         stage_run = _stage_run_id(cfg)
         stopped = bool(metrics.get("stopped_early"))
         if error is not None or stopped or stopper.stopping:
@@ -200,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         exp = load_experiment(argv[0], argv[1:])
+        check_not_in_job_copy(exp.stages, job_working_dir())  # a relative run_dir inside a Ray job
         check_inputs(exp)  # every stage's dataset, before Ray or any worker starts
         return run_experiment(exp)
     except (ConfigError, DatasetError) as exc:

@@ -10,7 +10,9 @@
 
 A stage's MLflow run is named by RUN_DIR/mlflow_run.json (pipeline.tracking.RUN_ID_FILE): a stage
 that runs again in the same run directory (a resume, a re-run of a failed eval) continues its run,
-and the job driver and the eval stage's figures find it there.
+and the job driver and the eval stage's figures find it there. A stage with a `checkpoint.uri` (object
+storage) also tags its run with that URI: resumed on a node whose disk never held the run-id file, it
+finds and continues the same run through MLflow (`pipeline.tracking.find_stage_run`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,14 @@ from pipeline import objectives
 from pipeline.config import StageConfig, flatten, save_resolved
 from pipeline.data.sources import DatasetInfo
 from pipeline.models.convert import load_timm_state_dict
-from pipeline.tracking import RUN_ID_FILE, Tracker, read_run_id, write_run_id
+from pipeline.tracking import (
+    CHECKPOINT_URI_TAG,
+    RUN_ID_FILE,
+    Tracker,
+    find_stage_run,
+    read_run_id,
+    write_run_id,
+)
 from pipeline.train.engine import DistContext, init_distributed
 from pipeline.train.export import load_exported
 
@@ -56,8 +65,10 @@ class Stage:
         tags: Mapping[str, str],
         parent_run_id: str | None = None,
         params: Mapping[str, object] | None = None,
+        resumed: bool = False,
     ) -> Iterator[Tracker]:
-        """The stage's MLflow run (rank 0; a no-op Tracker elsewhere), continued if RUN_DIR names one.
+        """The stage's MLflow run (rank 0; a no-op Tracker elsewhere), continued if RUN_DIR names one, or
+        (`resumed` from a checkpoint, with a checkpoint.uri) if MLflow holds a run tagged with that URI.
 
         A new run gets the run-id file, the flattened config and `params` as params, and config.yaml
         as an artifact; every run gets the variant, world size and code version as tags, with `tags`.
@@ -65,6 +76,11 @@ class Stage:
         cfg, ctx = self.cfg, self.ctx
         run_id_path = self.run_path / RUN_ID_FILE
         run_id = read_run_id(run_id_path)
+        found = False
+        if run_id is None and resumed and ctx.is_main and cfg.checkpoint.uri:
+            # This node's disk never held the run-id file (the stage started on another machine).
+            run_id = find_stage_run(cfg.tracking_uri, cfg.tracking.experiment or cfg.name, cfg.checkpoint.uri)
+            found = run_id is not None
         variant = cfg.model.name + "".join(f",{k}={v}" for k, v in sorted(cfg.model.overrides.items()))
         tracker = Tracker(
             cfg.tracking_uri,
@@ -75,6 +91,7 @@ class Stage:
                 "variant": variant,
                 "world_size": str(ctx.world_size),
                 "code_version": code_version(),
+                **({CHECKPOINT_URI_TAG: cfg.checkpoint.uri} if cfg.checkpoint.uri else {}),
                 **tags,
             },
             run_id=run_id,
@@ -82,8 +99,9 @@ class Stage:
             system_metrics=cfg.tracking.system_metrics,
         )
         with tracker:
-            if ctx.is_main and run_id is None:
+            if ctx.is_main and (run_id is None or found):
                 write_run_id(run_id_path, tracker.run_id)
+            if ctx.is_main and run_id is None:
                 tracker.log_params(flatten(cfg))
                 if params:
                     tracker.log_params(params)

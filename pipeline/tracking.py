@@ -7,6 +7,9 @@ not logged again, so no (metric, step) pair is written twice.
 A run-id file names the MLflow run a run directory logged to: RUN_DIR/mlflow_run.json for a stage
 (written by its rank 0, read by a resumed stage, the job driver and the eval stage's figures), and
 the experiment's parent run file. `read_run_id` and `write_run_id` are the only code that touches one.
+Nodes that share no disk do not share that file: a stage that checkpoints to object storage tags its run
+with the checkpoint's URI, and `find_stage_run` finds the run by that tag through MLflow alone (a stage
+resumed on another node, the job driver on the head).
 
 MLflow is imported inside the functions that use it: it takes seconds to import, and every rank but
 rank 0 (and the config and CLI paths) never needs it.
@@ -44,6 +47,27 @@ def read_run_id(path: Path) -> str | None:
 def write_run_id(path: Path, run_id: str) -> None:
     """Record `run_id` in a run-id file, atomically (a reader never sees half of it)."""
     atomic.write_json(path, {"run_id": run_id})
+
+
+CHECKPOINT_URI_TAG = "checkpoint_uri"  # a stage's checkpoint.uri: one stage's runs, wherever they ran
+
+
+def find_stage_run(uri: str, experiment: str, checkpoint_uri: str) -> str | None:
+    """The newest run of `experiment` tagged with `checkpoint_uri`, or None: the stage's MLflow run, found
+    from a node that never saw its run-id file."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None or "'" in checkpoint_uri:  # a quote cannot be searched for in MLflow's filter syntax
+        return None
+    runs = client.search_runs(
+        [exp.experiment_id],
+        filter_string=f"tags.{CHECKPOINT_URI_TAG} = '{checkpoint_uri}'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
+    return runs[0].info.run_id if runs else None
 
 
 class Tracker:

@@ -5,12 +5,16 @@ family or size is tested without anyone listing it; a test leaves a model out on
 exclusion that gives the reason.
 """
 
+import contextlib
 import functools
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -197,10 +201,16 @@ def one_thread():
 class _RayClusters:
     """This process's local Ray cluster (a head plus a second node, token auth on, 127.0.0.1), started
     by the first test that asks for one and stopped after the last of a run of such tests: an idle
-    cluster costs about 4 s of CPU a minute (measured), which other tests on two cores would wait for."""
+    cluster costs about 4 s of CPU a minute (measured), which other tests on two cores would wait for.
+
+    As root, the second node has its own disk at `disk` (a private mount namespace, cluster.local): the
+    head and the tests see the real folder there, the node its own one (`disk_of_worker`). Elsewhere the
+    two nodes share every path."""
 
     cluster = None
     temp_dir = ""
+    disk = ""
+    disk_of_worker = ""
 
     @classmethod
     def get(cls):
@@ -211,19 +221,49 @@ class _RayClusters:
                 prefix="vpray", dir="/tmp"
             )  # short: Ray's socket paths have a limit
             cls.cluster = local.start_head(cls.temp_dir, num_cpus=2)
-            local.add_worker_node(cls.cluster, num_cpus=2)
+            cls.disk, cls.disk_of_worker = f"{cls.temp_dir}-disk", f"{cls.temp_dir}-disk.worker1"
+            own = (cls.disk, cls.disk_of_worker) if OWN_DISKS else None
+            local.add_worker_node(cls.cluster, num_cpus=2, own_disk=own)
         return cls.cluster
 
     @classmethod
     def stop(cls) -> None:
+        """Stop the cluster and check that none of its processes, nor any they started, is left: the
+        raylets' agents retitle themselves (`ray::DashboardAgent`) and were left running, orphaned, after
+        every test cluster before `cluster.local` learned to stop descendants."""
         if cls.cluster is None:
             return
+        import psutil
+
         from cluster import local
 
+        started = {}
+        for p in psutil.process_iter(["cmdline"]):
+            if cls.temp_dir in " ".join(p.info["cmdline"] or []):
+                with contextlib.suppress(psutil.Error):
+                    started.update((q.pid, (q, " ".join(q.cmdline())[:80])) for q in (p, *p.children(True)))
         local.stop(cls.cluster)
+        left = [title for q, title in started.values() if _running(q)]
         shutil.rmtree(cls.temp_dir, ignore_errors=True)
         shutil.rmtree(f"{cls.temp_dir}-worker1", ignore_errors=True)
+        shutil.rmtree(cls.disk, ignore_errors=True)
+        shutil.rmtree(cls.disk_of_worker, ignore_errors=True)
         cls.cluster = None
+        assert any(t.startswith("ray::DashboardAgent") for _, t in started.values()), started  # seen, then
+        assert not left, f"processes of the stopped local Ray cluster still running: {left}"
+
+
+def _running(p) -> bool:
+    import psutil
+
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+# Nodes with their own disks need a private mount namespace per node: root and unshare (CI runs as root).
+OWN_DISKS = os.geteuid() == 0 and shutil.which("unshare") is not None
 
 
 @pytest.fixture
@@ -231,6 +271,55 @@ def ray_cluster():
     """The shared local Ray cluster (see `_RayClusters`); the Ray tests of a group run back to back on one
     worker (tests/scheduling.py), so they share one cluster."""
     return _RayClusters.get()
+
+
+@pytest.fixture
+def node_disks(ray_cluster) -> tuple[Path, Path]:
+    """(PATH, FOLDER): the shared cluster's second node sees FOLDER at PATH, the head and this test PATH."""
+    if not OWN_DISKS:
+        pytest.skip("nodes with their own disks need root and unshare (CI runs as root)")
+    return Path(_RayClusters.disk), Path(_RayClusters.disk_of_worker)
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """A real MLflow tracking server on 127.0.0.1 (SQLite behind it, artifacts proxied): what nodes that
+    share no disk log to. Yields its URL."""
+    import urllib.request
+
+    root = tmp_path_factory.mktemp("mlflow_server")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [
+        sys.executable, "-m", "mlflow", "server",
+        "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+        "--artifacts-destination", str(root / "artifacts"),
+        "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+    ]  # fmt: skip
+    log = open(root / "server.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise RuntimeError(f"mlflow server did not come up:\n{(root / 'server.log').read_text()[-3000:]}")
+        time.sleep(1)
+    yield url
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    log.close()
 
 
 @pytest.hookimpl(trylast=True)  # after the test's own fixtures are finalized

@@ -20,7 +20,6 @@ import pytest
 RAY_GROUPS = {
     "test_killed_worker_recovers_with_the_weights_of_an_uninterrupted_run": "ray_b",
     "test_retries_exhausted_fail_the_job_and_the_mlflow_runs": "ray_b",
-    "test_ray_job_stop_checkpoints_the_running_stage": "ray_c",
     "test_thin_run_on_two_ray_workers": "ray_c",
     "test_segmentation_stages_run_as_ray_stages": "ray_c",
 }
@@ -29,9 +28,10 @@ RAY_GROUPS = {
 # longest test's, so a Ray group's first test carries the whole group's time (cluster start included).
 LONG_TESTS = {
     "test_reduced_demo_runs_end_to_end": 660,
-    "test_two_stage_experiment_through_ray_job_submit": 325,
+    "test_nodes_that_share_only_the_bucket_and_mlflow_run_stop_and_resume_an_experiment": 500,
     "test_killed_worker_recovers_with_the_weights_of_an_uninterrupted_run": 310,  # ray_b: with retries
-    "test_ray_job_stop_checkpoints_the_running_stage": 400,  # ray_c: with the thin run and segmentation
+    "test_segmentation_stages_run_as_ray_stages": 400,  # ray_c: with the thin run
+    "test_ranks_without_a_shared_disk_prune_their_own_and_agree_on_what_to_resume": 80,
     "test_sigterm_checkpoints_and_resume_falls_back_past_a_corrupt_checkpoint": 270,
     "test_resume_is_bitwise_exact_per_zero_stage": 245,
     "test_two_ranks_give_the_single_process_result": 245,  # its module fixture: both evaluations

@@ -14,21 +14,24 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from conftest import vitpipe_shard
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
 from cluster import local
+from data_prep.storage import Store, child
 
 ROOT = Path(__file__).parents[1]
 # A worker's progress line as the job log shows it: "(RayTrainWorker pid=N) step 3/8 loss ..." (ANSI inside).
 PROGRESS_LINE = re.compile(r"RayTrainWorker pid=\d+.* step \d+/\d+ loss")
 TWO_STAGE = ROOT / "configs/experiments/two_stage_tiny.yaml"
+MULTINODE = ROOT / "configs/experiments/multinode_tiny.yaml"
 SMOKE = ROOT / "configs/experiments/smoke.yaml"
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 def cli(
-    *args: str, env: dict | None = None, timeout: int = 600, check: bool = True
+    *args: str, env: dict | None = None, timeout: int = 1200, check: bool = True
 ) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         args, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout
@@ -84,47 +87,6 @@ def ray_job_submit(
         f"defaults.data.train={data}",
         *overrides,
     ]
-
-
-def test_two_stage_experiment_through_ray_job_submit(ray_cluster, tmp_path, smoke_dataset):
-    run_dir = tmp_path / "exp"
-    proc = cli(*ray_job_submit(ray_cluster, run_dir, smoke_dataset))
-    log = proc.stdout + proc.stderr
-    assert "succeeded" in log.lower()
-    assert_readable_job_log(log)
-    uri = f"sqlite:///{run_dir / 'mlflow.db'}"
-    runs = runs_by_name(uri)
-    parent = runs["two_stage_tiny"]
-    assert parent.info.status == "FINISHED"
-    for stage in ("pretrain", "finetune"):
-        child = runs[stage]
-        assert child.info.status == "FINISHED"
-        assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
-        assert (run_dir / stage / "DONE.json").is_file()
-        assert f"{stage}/loss" in parent.data.metrics  # the parent holds a summary of each stage
-    # The fine-tuning stage started from the pretraining stage's exported encoder.
-    assert runs["finetune"].data.params["model.init_from"] == str(run_dir / "pretrain" / "export")
-
-    # Resubmitting is idempotent: finished stages are skipped (here through vitpipe submit --follow).
-    proc = cli(
-        sys.executable,
-        "-m",
-        "vitpipe",
-        "submit",
-        str(TWO_STAGE),
-        f"run_dir={run_dir}",
-        f"defaults.data.train={smoke_dataset}",
-        "--address",
-        ray_cluster.dashboard_url,
-        "--follow",
-        "--python",
-        sys.executable,
-    )
-    out = proc.stdout + proc.stderr
-    assert "stage pretrain: already finished" in out and "stage finetune: already finished" in out
-    assert "SUCCEEDED" in out
-    jobs = cli(sys.executable, "-m", "vitpipe", "jobs", "--address", ray_cluster.dashboard_url).stdout
-    assert "two_stage_tiny-" in jobs and "SUCCEEDED" in jobs
 
 
 def _train(ray_cluster, run_dir: Path, data: Path, *extra: str, check: bool = True):
@@ -192,39 +154,6 @@ def test_retries_exhausted_fail_the_job_and_the_mlflow_runs(ray_cluster, tmp_pat
     assert "finetune" not in runs and not (run_dir / "pretrain" / "DONE.json").exists()
 
 
-def test_ray_job_stop_checkpoints_the_running_stage(ray_cluster, tmp_path, smoke_dataset):
-    run_dir = tmp_path / "exp"
-    sid = f"stoptest-{int(time.time())}"
-    cli(
-        *ray_job_submit(
-            ray_cluster,
-            run_dir,
-            smoke_dataset,
-            "stages.pretrain.optim.steps=400",
-            options=("--no-wait", "--submission-id", sid),
-            env_vars={"RAY_JOB_STOP_WAIT_TIME_S": "120"},
-        )
-    )
-    ckpts = run_dir / "pretrain" / "checkpoints"
-    deadline = (
-        time.time() + 600
-    )  # Ray Train start-up takes minutes when the suite's other workers load the cores
-    while not list(ckpts.glob("step_*/COMPLETE.json")) and time.time() < deadline:
-        time.sleep(1)
-    assert list(ckpts.glob("step_*/COMPLETE.json")), "the stage never checkpointed"
-    cli(sys.executable, "-m", "vitpipe", "stop", sid, "--address", ray_cluster.dashboard_url)
-    while time.time() < deadline:
-        status = cli(ray_bin(), "job", "status", sid, "--address", ray_cluster.dashboard_url).stdout.lower()
-        if any(word in status for word in ("was stopped", "failed", "succeeded")):
-            break
-        time.sleep(1)
-    assert "was stopped" in status, status
-    logs = cli(ray_bin(), "job", "logs", sid, "--address", ray_cluster.dashboard_url).stdout
-    assert "stopped at step" in logs, logs[-3000:]
-    stopped = int(logs.split("stopped at step ")[1].split(":")[0])
-    assert (ckpts / "latest").read_text() == f"step_{stopped:08d}" and stopped < 400
-
-
 def test_a_client_without_the_token_is_refused(ray_cluster, tmp_path):
     bad = tmp_path / "token"
     bad.write_text("not-the-token")
@@ -241,10 +170,17 @@ def test_a_client_without_the_token_is_refused(ray_cluster, tmp_path):
 
 
 def test_local_cluster_is_two_nodes_bound_to_loopback(ray_cluster):
-    proc = cli(ray_bin(), "status", "--address", ray_cluster.address, env={"RAY_AUTH_MODE": "token"})
-    active = proc.stdout.split("Active:")[1].split("Pending:")[0]
+    # `ray status` reports what the autoscaler last saw: a node that joined a second ago may be missing.
+    for _ in range(30):
+        proc = cli(ray_bin(), "status", "--address", ray_cluster.address, env={"RAY_AUTH_MODE": "token"})
+        active = proc.stdout.split("Active:")[1].split("Pending:")[0]
+        if active.count("node_") == 2:
+            break
+        time.sleep(2)
     assert active.count("node_") == 2, proc.stdout
     assert ray_cluster.dashboard_url.startswith("http://127.0.0.1:")
+    nodes = cli(ray_bin(), "list", "nodes", "--address", ray_cluster.address, env={"RAY_AUTH_MODE": "token"})
+    assert "127.0.0.2" in nodes.stdout, nodes.stdout  # the second node's own address: its own local ranks
 
 
 def test_a_failed_local_start_leaves_no_process_behind(monkeypatch):
@@ -316,3 +252,104 @@ def test_segmentation_stages_run_as_ray_stages(ray_cluster, tmp_path):
     assert summary["eval_samples"] == json.loads((data / "manifest.json").read_text())["totals"]["val"]
     assert summary["world_size"] == 2 and len(summary["iou_per_class"]) == 4
     assert (run_dir / "eval_seg" / "figures" / "segmentation_masks.png").is_file()
+
+
+def _tags_on(disk: Path, stage: str) -> list[str]:
+    return sorted(p.name for p in (disk / "exp" / stage / "checkpoints").glob("step_*"))
+
+
+def test_nodes_that_share_only_the_bucket_and_mlflow_run_stop_and_resume_an_experiment(
+    ray_cluster, node_disks, s3, mlflow_server, tmp_path
+):
+    """The rehearsal of docs/cluster.md: the second node has its own disk at the run root, and a bucket (S3
+    protocol) and an MLflow server are all the nodes share. The shards stream from the bucket; each stage
+    runs one rank per node (STRICT_SPREAD). A run_dir without storage is refused before any worker starts;
+    with storage the 3-stage experiment, stopped mid-stage through `ray job submit`/`vitpipe stop`, resumes
+    from the bucket when resubmitted with `vitpipe submit` and finishes."""
+    head_disk, worker_disk = node_disks
+    data = s3("rehearsal/corpus")
+    vitpipe_shard(
+        "synthetic", data, "--num", 320, "--classes", 8, "--width", 48, "--height", 40,
+        "--max-count", 40, "--val-fraction", 0.2, "--workers", 1, "--no-progress",
+    )  # fmt: skip
+    run_dir = head_disk / "exp"
+    creds = {k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
+    common = [f"run_dir={run_dir}", f"defaults.data.train={data}", f"tracking.uri={mlflow_server}"]
+
+    # No storage: the second node does not see the driver's run_dir; refused in seconds, naming both.
+    proc = cli(
+        sys.executable, "-m", "cluster.run", str(MULTINODE), *common, f"cluster.address={ray_cluster.address}",
+        env=creds, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"does not see run_dir {run_dir / 'pretrain'}" in proc.stderr, proc.stderr[-3000:]
+    assert "storage" in proc.stderr and "node 127.0.0.2" in proc.stderr
+
+    storage = s3("rehearsal/runs/{name}")
+    first = [*common, f"storage={storage}", "stages.pretrain.optim.steps=400"]
+    sid = f"rehearsal-{int(time.time())}"
+    submit = [
+        ray_bin(), "job", "submit", "--no-wait", "--submission-id", sid,
+        "--address", ray_cluster.dashboard_url, "--working-dir", str(ROOT),
+        "--runtime-env-json", json.dumps({"excludes": [".git", ".venv", "data", "runs"], "env_vars": creds}),
+        "--", sys.executable, "-m", "cluster.run", str(MULTINODE), *first,
+    ]  # fmt: skip
+    cli(*submit)
+    stored = Store(child(storage.format(name="multinode_tiny"), "pretrain"))  # the stage's checkpoints
+    # Ray Train start-up takes minutes when the suite's other workers load the cores.
+    deadline = time.time() + 900
+    while not stored.exists("latest") and time.time() < deadline:
+        time.sleep(1)
+    assert stored.exists("latest"), "the stage never checkpointed to the bucket"
+    cli(sys.executable, "-m", "vitpipe", "stop", sid, "--address", ray_cluster.dashboard_url)
+    while time.time() < deadline:
+        status = cli(ray_bin(), "job", "status", sid, "--address", ray_cluster.dashboard_url).stdout.lower()
+        if any(word in status for word in ("was stopped", "failed", "succeeded")):
+            break
+        time.sleep(1)
+    logs = cli(ray_bin(), "job", "logs", sid, "--address", ray_cluster.dashboard_url).stdout
+    assert "was stopped" in status, status + logs[-3000:]
+    assert_readable_job_log(logs)
+    assert "stopped at step" in logs, logs[-3000:]
+    stopped = int(logs.split("stopped at step ")[1].split(":")[0])
+    assert stored.read_text("latest") == f"step_{stopped:08d}" and stopped < 400
+    assert stored.exists(f"step_{stopped:08d}/COMPLETE.json")
+    # Both nodes held a rank: each wrote its own ZeRO shard on its own disk, and kept at most keep_last tags.
+    for disk in (head_disk, worker_disk):
+        tags = _tags_on(disk, "pretrain")
+        assert 1 <= len(tags) <= 2, (disk, tags)
+    shards = [
+        {
+            int(f.name.split("rank_")[1].split("_")[0])
+            for f in (d / "exp/pretrain/checkpoints").glob("step_*/zero_pp_rank_*")
+        }
+        for d in (head_disk, worker_disk)
+    ]
+    assert sorted(shards[0] | shards[1]) == [0, 1] and not (shards[0] & shards[1]), shards
+
+    # Resubmitted (a shorter pretraining, to finish soon): resumes from the bucket, then the other stages.
+    proc = cli(
+        sys.executable, "-m", "vitpipe", "submit", str(MULTINODE), *common, f"storage={storage}",
+        f"stages.pretrain.optim.steps={stopped + 2}", "--address", ray_cluster.dashboard_url, "--follow",
+        "--python", sys.executable, *[f"--env={k}={v}" for k, v in creds.items()], timeout=1500,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert "SUCCEEDED" in out and f"resumed from step_{stopped:08d}" in out, out[-4000:]
+    runs = runs_by_name(mlflow_server)
+    parent = runs["multinode_tiny"]
+    assert parent.info.status == "FINISHED"
+    for stage in ("pretrain", "finetune", "evaluate"):
+        assert runs[stage].info.status == "FINISHED", stage
+        assert runs[stage].data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert (run_dir / stage / "DONE.json").is_file()  # the driver's record, on the head
+    assert {"evaluate/map", "pretrain/loss"} <= set(parent.data.metrics), sorted(parent.data.metrics)
+    # One MLflow run per stage: the resumed pretraining continued its run (steps 1..stopped+2, once each).
+    history = MlflowClient(mlflow_server).get_metric_history(runs["pretrain"].info.run_id, "train/loss")
+    assert sorted(m.step for m in history) == list(range(1, stopped + 3))
+    # The fine-tuning read the pretraining's export from the bucket.
+    assert runs["finetune"].data.params["model.init_from"].startswith("s3://")
+    jobs = cli(sys.executable, "-m", "vitpipe", "jobs", "--address", ray_cluster.dashboard_url).stdout
+    assert "multinode_tiny-" in jobs and "SUCCEEDED" in jobs
+    for disk in (head_disk, worker_disk):
+        for stage in ("pretrain", "finetune"):
+            assert len(_tags_on(disk, stage)) <= 2, (disk, stage, _tags_on(disk, stage))

@@ -2,11 +2,14 @@
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 from data_prep.storage import Store, child, is_uri
+
+SMOKE = Path(__file__).parents[1] / "configs/experiments/smoke.yaml"
 
 
 @pytest.mark.unit
@@ -94,3 +97,31 @@ def test_checkpoints_on_s3_resume_a_run_whose_local_directory_is_gone(s3, tmp_pa
     state, meta = load_exported(child(uri, "export"))
     assert all(torch.equal(state[k], w_remote[k]) for k in w_remote)
     assert meta["step"] == 8
+
+
+def test_a_stop_request_reaches_rank_0_through_the_bucket_and_is_cleared_before_the_next_run(s3, tmp_path):
+    """`ray job stop` -> the driver writes STOP into the stage's run directory and its bucket; rank 0 on a node
+    that does not share the driver's disk sees the stored one; the next submission clears both first."""
+    import signal
+
+    from cluster.run import _StopOnSigterm, clear_stop
+    from pipeline.config import load_config
+    from pipeline.train.loop import STOP_FILE, StopRequest
+
+    uri = s3("exp/stopped")
+    cfg = load_config(SMOKE, [f"run_dir={tmp_path / 'driver'}", f"checkpoint.uri={uri}"])
+    elsewhere = tmp_path / "other_node" / STOP_FILE  # rank 0's run directory on another node's disk
+    assert not StopRequest(elsewhere, Store(uri)).requested
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        stopper = _StopOnSigterm()
+        stopper.stage = cfg
+        stopper._handle(signal.SIGTERM, None)  # what `ray job stop`'s SIGTERM runs
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert stopper.stopping and (cfg.run_path / STOP_FILE).is_file() and Store(uri).exists(STOP_FILE)
+    assert StopRequest(elsewhere, Store(uri)).requested  # the stored request, from any node
+    assert not StopRequest(elsewhere, None).requested  # a rank without the store sees only its own disk
+    clear_stop(cfg)
+    assert not (cfg.run_path / STOP_FILE).exists() and not Store(uri).exists(STOP_FILE)
+    assert not StopRequest(elsewhere, Store(uri)).requested

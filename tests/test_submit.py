@@ -41,3 +41,26 @@ def test_a_bad_config_fails_before_any_upload(tmp_path, monkeypatch):
             root=root,
         )
     assert submit.submission_id("demo").startswith("demo-")
+
+
+def test_a_run_dir_inside_the_jobs_working_directory_copy_is_refused(tmp_path, monkeypatch):
+    """Inside `ray job submit --working-dir`, the driver runs in Ray's temporary copy of the project: a
+    relative run_dir would land there, deleted with the job and on no other node. Refused, with the path."""
+    import json
+
+    from cluster.preflight import JOB_CONFIG_ENV, check_not_in_job_copy, job_working_dir
+    from pipeline.config import ConfigError, load_experiment
+
+    copy = tmp_path / "runtime_resources" / "working_dir_files" / "_ray_pkg_abc"
+    copy.mkdir(parents=True)
+    monkeypatch.chdir(copy)
+    experiment = Path(__file__).parents[1] / "configs/experiments/two_stage_tiny.yaml"
+    assert job_working_dir() is None  # outside a job: relative paths are the user's own
+    monkeypatch.setenv(JOB_CONFIG_ENV, json.dumps({"runtime_env": {"working_dir": "gcs://_ray_pkg_abc.zip"}}))
+    assert job_working_dir() == copy
+    exp = load_experiment(experiment, ["run_dir=runs/{name}"])
+    with pytest.raises(
+        ConfigError, match=r"stage pretrain: run_dir .*_ray_pkg_abc/runs/two_stage_tiny/pretrain"
+    ):
+        check_not_in_job_copy(exp.stages, job_working_dir())
+    check_not_in_job_copy(load_experiment(experiment, [f"run_dir={tmp_path / 'shared'}"]).stages, copy)

@@ -168,6 +168,22 @@ def test_tracker_marks_a_failed_stage_failed(tmp_path):
     )
 
 
+def test_a_stage_run_is_found_by_its_checkpoint_uri(tmp_path):
+    """A stage resumed on a node that never held its run-id file (or the driver on the head) finds its
+    MLflow run through the checkpoint URI the run is tagged with."""
+    from pipeline.tracking import CHECKPOINT_URI_TAG, Tracker, find_stage_run
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    for stage in ("pretrain", "finetune"):
+        with Tracker(uri, "exp", stage, enabled=True, tags={CHECKPOINT_URI_TAG: f"s3://b/exp/{stage}"}) as t:
+            t.log_metrics({"train/loss": 1.0}, step=1)
+        if stage == "pretrain":
+            pretrain = t.run_id
+    assert find_stage_run(uri, "exp", "s3://b/exp/pretrain") == pretrain
+    assert find_stage_run(uri, "exp", "s3://b/exp/other") is None
+    assert find_stage_run(uri, "no_such_experiment", "s3://b/exp/pretrain") is None
+
+
 @pytest.mark.unit
 def test_progress_lines_come_at_a_readable_rate():
     from pipeline.train.loop import PROGRESS_LINES, PROGRESS_MAX_SILENCE_S, progress_due

@@ -3,8 +3,8 @@
     torchrun --nproc-per-node 2 tests/scripts/remote_resume.py OUT_DIR DATA_DIR STORE_URI
 
 OUT_DIR/straight: 8 uninterrupted steps, local checkpoints only. OUT_DIR/remote: the same run with
-checkpoint.uri=STORE_URI, stopped at step 4; its local checkpoints are then deleted (a new machine)
-and the run is started again, which must resume from the stored step 4.
+checkpoint.uri=STORE_URI, stopped at step 4; its local run directory is then deleted (a new machine)
+and the run is started again, which must resume from the stored step 4 and continue its MLflow run.
 """
 
 import os
@@ -43,7 +43,9 @@ def main() -> None:
     run(out, data, "remote", f"checkpoint.uri={uri}", "debug.stop_at_step=4")
     dist.barrier()
     if int(os.environ["RANK"]) == 0:
-        shutil.rmtree(out / "remote" / "checkpoints")  # the machine that saved step 4 is gone
+        # The machine that saved step 4 is gone, and its disk with it: checkpoints, and the run-id file
+        # (the resumed stage finds its MLflow run by the checkpoint URI it is tagged with).
+        shutil.rmtree(out / "remote")
     dist.barrier()
     run(out, data, "remote", f"checkpoint.uri={uri}")
 
