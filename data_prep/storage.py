@@ -106,6 +106,12 @@ def read_object(uri: str) -> bytes:
         return f.read()
 
 
+# Bytes per read when copying a file to or from a store (pyarrow's default: 1 MiB). A checkpoint shard is
+# hundreds of MB: each read of an object store file is a ranged GET, and 1 MiB reads made a 1 GB
+# ViT-B ZeRO-3 checkpoint 1000 requests (275 s to download from a local S3 server, bench/multinode.py).
+COPY_CHUNK = 64 << 20
+
+
 class Store:
     """A folder on local, shared or object storage; paths inside it are relative POSIX strings."""
 
@@ -188,6 +194,7 @@ class Store:
                 self._path(rel),
                 source_filesystem=pafs.LocalFileSystem(),
                 destination_filesystem=self.fs,
+                chunk_size=COPY_CHUNK,
             )
 
     @contextmanager
@@ -226,6 +233,7 @@ class Store:
                     str(tmp / name),
                     source_filesystem=self.fs,
                     destination_filesystem=pafs.LocalFileSystem(),
+                    chunk_size=COPY_CHUNK,
                 )
             try:
                 os.replace(tmp, local)  # fails if `local` is a non-empty folder: someone else won
