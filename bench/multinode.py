@@ -1,0 +1,198 @@
+"""Checkpoints through object storage: a ViT-B ZeRO-3 stage of 2 ranks saving to and resuming from a bucket.
+
+    .venv/bin/python bench/multinode.py --out bench/results/multinode.json [--quick] [--store URI]
+
+Runs its workers under `torchrun --standalone --nproc-per-node 2` (gloo; CPU here, the same code on GPUs),
+against a local S3-protocol server (moto, started here) unless --store names a bucket prefix whose
+credentials are in the environment. What each rank does, `--repeats` times (medians reported):
+- step_s: one optimizer step (bf16, `--batch` images of `--img-size` per rank);
+- local_save_s: the baseline, the same save to the local disk only;
+- save_s: `pipeline.train.checkpoint.save` with the store: every rank writes its ZeRO-3 partition, hashes
+  and uploads it, rank 0 uploads COMPLETE.json and `latest` once all have (the time of the slowest rank);
+- resume_s: the local checkpoint folder deleted (a new machine), `checkpoint.resume`: list the bucket,
+  download, verify the hashes, load into the engine;
+- stall_fraction: save_s / (every_steps x step_s), the share of wall time a stage saving every
+  `--every-steps` steps (100 by default) spends in saves, which block training on every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from data_prep.storage import Store  # noqa: E402
+from pipeline.config import validate_config  # noqa: E402
+from pipeline.data.transforms import normalize  # noqa: E402
+from pipeline.models import create_model  # noqa: E402
+from pipeline.train import checkpoint  # noqa: E402
+from pipeline.train.engine import build_engine, init_distributed, shutdown_distributed  # noqa: E402
+
+
+def slowest(seconds: float) -> float:
+    """The slowest rank's time: a collective save or resume holds every rank until the last one is done."""
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def worker(args: argparse.Namespace) -> None:
+    ctx = init_distributed(False)
+    cfg = validate_config(
+        {
+            "name": "bench",
+            "data": {"train": "unused", "batch_size": args.batch},
+            "model": {"name": args.model, "img_size": args.img_size, "num_classes": 1000},
+            "optim": {"steps": 1000, "warmup_steps": 0},
+            "deepspeed": {"zero_stage": 3, "precision": "bf16"},
+            "cluster": {"launcher": "local"},
+        }
+    )
+    torch.manual_seed(0)
+    model = create_model(args.model, img_size=args.img_size, num_classes=1000)
+    num_params = sum(p.numel() for p in model.parameters())
+    engine, _, _ = build_engine(model, cfg, ctx)
+    x = normalize(torch.randint(0, 256, (args.batch, 3, args.img_size, args.img_size), dtype=torch.uint8))
+    x = x.to(torch.bfloat16)
+    y = torch.randint(0, 1000, (args.batch,))
+    store = Store(args.store)
+    ckpt_dir = Path(args.work) / "checkpoints"
+    steps, local_saves, saves, resumes, nbytes = [], [], [], [], 0
+    for r in range(args.repeats):
+        dist.barrier()
+        t = time.perf_counter()
+        loss = torch.nn.functional.cross_entropy(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        steps.append(slowest(time.perf_counter() - t))
+        dist.barrier()
+        t = time.perf_counter()  # the baseline: the same save to the local disk only
+        checkpoint.save(engine, Path(args.work) / "local", r + 1, 1, ctx.rank, local_rank=ctx.local_rank)
+        local_saves.append(slowest(time.perf_counter() - t))
+        dist.barrier()
+        t = time.perf_counter()
+        tag_dir = checkpoint.save(
+            engine, ckpt_dir, r + 1, 1, ctx.rank, store=store, local_rank=ctx.local_rank
+        )
+        saves.append(slowest(time.perf_counter() - t))
+        record = json.loads((tag_dir / checkpoint.COMPLETE).read_text())
+        nbytes = sum(f["bytes"] for f in record["files"].values())
+        dist.barrier()
+        if ctx.local_rank == 0:
+            shutil.rmtree(ckpt_dir)  # a new machine: only the bucket holds the checkpoint
+        dist.barrier()
+        t = time.perf_counter()
+        restored = checkpoint.resume(
+            engine, ckpt_dir, ctx.rank, ctx.world_size, store=store, local_rank=ctx.local_rank
+        )
+        resumes.append(slowest(time.perf_counter() - t))
+        assert restored is not None and restored.step == r + 1, restored
+    if ctx.rank == 0:
+        Path(args.worker_out).write_text(
+            json.dumps(
+                {
+                    "step_s": steps,
+                    "local_save_s": local_saves,
+                    "save_s": saves,
+                    "resume_s": resumes,
+                    "checkpoint_bytes": nbytes,
+                    "num_params": num_params,
+                    "world_size": ctx.world_size,
+                }
+            )
+        )
+    shutdown_distributed()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out")
+    p.add_argument("--quick", action="store_true", help="vit_debug at 32 px (a smoke run)")
+    p.add_argument("--store", help="bucket prefix (credentials from the environment); default: a local moto")
+    p.add_argument("--img-size", type=int, default=224)
+    p.add_argument("--batch", type=int, default=2, help="images per rank per step")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--every-steps", type=int, default=100)
+    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    p.add_argument("--work", help=argparse.SUPPRESS)
+    p.add_argument("--model", default="vit_b16", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.quick:
+        args.model, args.img_size = "vit_debug", 32
+    if args.worker_out:
+        return worker(args)
+    server = None
+    if args.store is None:
+        from moto.server import ThreadedMotoServer
+
+        os.environ.update(
+            AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1"
+        )
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        host, port = server.get_host_and_port()
+        query = f"endpoint_override={host}:{port}&scheme=http&region=us-east-1"
+        Store(f"s3://bench?{query}&allow_bucket_creation=true").fs.create_dir("bench")
+        args.store = f"s3://bench/multinode?{query}"
+    try:
+        with tempfile.TemporaryDirectory() as work:
+            out = os.path.join(work, "result.json")
+            cmd = [
+                sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                __file__, "--worker-out", out, "--work", work, "--store", args.store, "--model", args.model,
+                "--img-size", str(args.img_size), "--batch", str(args.batch), "--repeats", str(args.repeats),
+            ]  # fmt: skip
+            subprocess.run(
+                cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL
+            )
+            raw = json.loads(Path(out).read_text())
+    finally:
+        if server is not None:
+            server.stop()
+    step, local, save, resume = (
+        statistics.median(raw[k]) for k in ("step_s", "local_save_s", "save_s", "resume_s")
+    )
+    result = {
+        "benchmark": "multinode",
+        "model": args.model,
+        "img_size": args.img_size,
+        "batch_per_rank": args.batch,
+        "zero_stage": 3,
+        "precision": "bf16",
+        "world_size": raw["world_size"],
+        "num_params": raw["num_params"],
+        "checkpoint_bytes": raw["checkpoint_bytes"],
+        "store": "local moto S3 server" if server is not None else "given bucket",
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "repeats": args.repeats,
+        "median_step_s": step,
+        "median_local_save_s": local,
+        "median_save_s": save,
+        "save_ratio_bucket_over_local": save / local,
+        "median_resume_s": resume,
+        "save_MB_per_s": raw["checkpoint_bytes"] / save / 1e6,
+        "every_steps": args.every_steps,
+        "stall_fraction": save / (args.every_steps * step),
+        "runs": {k: raw[k] for k in ("step_s", "local_save_s", "save_s", "resume_s")},
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
