@@ -38,8 +38,10 @@ from pipeline.config import (
     validate_config,
 )
 from pipeline.tracking import (
+    EXPERIMENT_URI_TAG,
     RUN_ID_FILE,
     end_run,
+    find_run_by_tag,
     find_stage_run,
     log_to_run,
     open_parent_run,
@@ -172,12 +174,21 @@ def run_experiment(exp: Experiment) -> int:
     stopper = _StopOnSigterm()  # after ray.init, which installs a SIGTERM handler of its own
     parent_file = exp.parent_run_file
     previous = read_run_id(parent_file)
+    # With storage, the experiment outlives every node's disk: its parent run is found through MLflow
+    # by the first stage's checkpoint URI when this node's disk lost (or never held) the run-id file.
+    anchor = exp.stages[0][1].checkpoint.uri
+    if previous is None and anchor:
+        previous = find_run_by_tag(exp.tracking_uri, exp.name, EXPERIMENT_URI_TAG, anchor)
     parent = open_parent_run(
         exp.tracking_uri,
         exp.name,
         exp.name,
         previous,
-        tags={"stages": ",".join(n for n, _ in exp.stages), "config": exp.source},
+        tags={
+            "stages": ",".join(n for n, _ in exp.stages),
+            "config": exp.source,
+            **({EXPERIMENT_URI_TAG: anchor} if anchor else {}),
+        },
     )
     write_run_id(parent_file, parent)
     print(f"[{exp.name}] MLflow parent run {parent} at {exp.tracking_uri}", flush=True)

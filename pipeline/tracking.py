@@ -50,24 +50,31 @@ def write_run_id(path: Path, run_id: str) -> None:
 
 
 CHECKPOINT_URI_TAG = "checkpoint_uri"  # a stage's checkpoint.uri: one stage's runs, wherever they ran
+# On an experiment's parent run: its first stage's checkpoint.uri, which names the experiment's storage.
+EXPERIMENT_URI_TAG = "experiment_checkpoint_uri"
+
+
+def find_run_by_tag(uri: str, experiment: str, key: str, value: str) -> str | None:
+    """The newest run of `experiment` whose tag `key` is `value`, or None."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None or "'" in value:  # a quote cannot be searched for in MLflow's filter syntax
+        return None
+    runs = client.search_runs(
+        [exp.experiment_id],
+        filter_string=f"tags.{key} = '{value}'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
+    return runs[0].info.run_id if runs else None
 
 
 def find_stage_run(uri: str, experiment: str, checkpoint_uri: str) -> str | None:
     """The newest run of `experiment` tagged with `checkpoint_uri`, or None: the stage's MLflow run, found
     from a node that never saw its run-id file."""
-    from mlflow import MlflowClient
-
-    client = MlflowClient(uri)
-    exp = client.get_experiment_by_name(experiment)
-    if exp is None or "'" in checkpoint_uri:  # a quote cannot be searched for in MLflow's filter syntax
-        return None
-    runs = client.search_runs(
-        [exp.experiment_id],
-        filter_string=f"tags.{CHECKPOINT_URI_TAG} = '{checkpoint_uri}'",
-        order_by=["attributes.start_time DESC"],
-        max_results=1,
-    )
-    return runs[0].info.run_id if runs else None
+    return find_run_by_tag(uri, experiment, CHECKPOINT_URI_TAG, checkpoint_uri)
 
 
 class Tracker:
@@ -161,6 +168,8 @@ def open_parent_run(
     client = MlflowClient(uri)
     if run_id is not None:
         client.update_run(run_id, status="RUNNING")
+        for k, v in tags.items():  # this submission's: the config, the storage it checkpoints to
+            client.set_tag(run_id, k, v)
         return run_id
     exp = client.get_experiment_by_name(experiment)
     exp_id = exp.experiment_id if exp else client.create_experiment(experiment)

@@ -264,8 +264,8 @@ def test_nodes_that_share_only_the_bucket_and_mlflow_run_stop_and_resume_an_expe
     """The rehearsal of docs/cluster.md: the second node has its own disk at the run root, and a bucket (S3
     protocol) and an MLflow server are all the nodes share. The shards stream from the bucket; each stage
     runs one rank per node (STRICT_SPREAD). A run_dir without storage is refused before any worker starts;
-    with storage the 3-stage experiment, stopped mid-stage through `ray job submit`/`vitpipe stop`, resumes
-    from the bucket when resubmitted with `vitpipe submit` and finishes."""
+    with storage the 3-stage experiment, stopped mid-stage through `ray job submit`/`vitpipe stop`, then
+    every node's disk wiped, resumes from the bucket when resubmitted with `vitpipe submit` and finishes."""
     head_disk, worker_disk = node_disks
     data = s3("rehearsal/corpus")
     vitpipe_shard(
@@ -288,10 +288,13 @@ def test_nodes_that_share_only_the_bucket_and_mlflow_run_stop_and_resume_an_expe
     storage = s3("rehearsal/runs/{name}")
     first = [*common, f"storage={storage}", "stages.pretrain.optim.steps=400"]
     sid = f"rehearsal-{int(time.time())}"
+    # Ray's default grace between `ray job stop`'s SIGTERM and its SIGKILL is 3 s: too short for a stage to
+    # reach its next step and checkpoint on loaded cores (vitpipe submit sets 300 s).
+    env_vars = {**creds, "RAY_JOB_STOP_WAIT_TIME_S": "300"}
     submit = [
         ray_bin(), "job", "submit", "--no-wait", "--submission-id", sid,
         "--address", ray_cluster.dashboard_url, "--working-dir", str(ROOT),
-        "--runtime-env-json", json.dumps({"excludes": [".git", ".venv", "data", "runs"], "env_vars": creds}),
+        "--runtime-env-json", json.dumps({"excludes": [".git", ".venv", "data", "runs"], "env_vars": env_vars}),
         "--", sys.executable, "-m", "cluster.run", str(MULTINODE), *first,
     ]  # fmt: skip
     cli(*submit)
@@ -327,7 +330,11 @@ def test_nodes_that_share_only_the_bucket_and_mlflow_run_stop_and_resume_an_expe
     ]
     assert sorted(shards[0] | shards[1]) == [0, 1] and not (shards[0] & shards[1]), shards
 
-    # Resubmitted (a shorter pretraining, to finish soon): resumes from the bucket, then the other stages.
+    # The whole cluster torn down: every node's disk is gone (checkpoints, run-id files, the driver's
+    # records). Resubmitted (a shorter pretraining, to finish soon): resumes from the bucket, continues
+    # the MLflow runs found by their storage tags, then runs the other stages.
+    shutil.rmtree(head_disk / "exp")
+    shutil.rmtree(worker_disk / "exp")
     proc = cli(
         sys.executable, "-m", "vitpipe", "submit", str(MULTINODE), *common, f"storage={storage}",
         f"stages.pretrain.optim.steps={stopped + 2}", "--address", ray_cluster.dashboard_url, "--follow",
@@ -338,6 +345,8 @@ def test_nodes_that_share_only_the_bucket_and_mlflow_run_stop_and_resume_an_expe
     runs = runs_by_name(mlflow_server)
     parent = runs["multinode_tiny"]
     assert parent.info.status == "FINISHED"
+    # One parent and one run per stage: found again through their storage tags after the disks were gone.
+    assert len(MlflowClient(mlflow_server).search_runs([parent.info.experiment_id])) == 4
     for stage in ("pretrain", "finetune", "evaluate"):
         assert runs[stage].info.status == "FINISHED", stage
         assert runs[stage].data.tags["mlflow.parentRunId"] == parent.info.run_id
