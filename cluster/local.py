@@ -140,19 +140,23 @@ def add_worker_node(
     num_cpus: int = 2,
     name: str = "worker1",
     own_disk: tuple[str, str] | None = None,
-    node_ip: str = "127.0.0.2",
+    node_ip: str | None = None,
 ) -> None:
     """A second Ray node on this machine (its own raylet, resources and temp dir), joined to the head.
 
     Its own temp dir matters: two raylets sharing one session folder garbage-collect each other's
     runtime-env packages, deleting a running job's working directory. Its own loopback address
     (127.0.0.2, still reachable from this machine only) matters too: Ray Train numbers a worker's local
-    rank among the workers with the same node IP, and a node's first local rank tends its own disk.
+    rank among the workers with the same node IP, and a node's first local rank tends its own disk. (Ray
+    replaces 127.0.0.1 itself with the machine's address, which the head has too.) Linux routes all of
+    127.0.0.0/8 to the loopback device; elsewhere (macOS: 127.0.0.1 only) the default is 127.0.0.1.
 
     `own_disk=(PATH, FOLDER)`: the node and every process it starts see FOLDER at PATH (a private mount
     namespace, `unshare --mount`, needs root), while the head and the driver see the real PATH: two nodes
     with their own local disks at the same paths, as on a GPU cluster with node-local NVMe.
     """
+    if node_ip is None:
+        node_ip = "127.0.0.2" if sys.platform.startswith("linux") else "127.0.0.1"
     cmd = [
         _ray_bin(),
         "start",
@@ -207,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.worker_nodes):
             node = f"worker{i + 1}"
             disk = (args.own_disk, f"{args.own_disk.rstrip('/')}.{node}") if args.own_disk else None
-            add_worker_node(c, args.num_cpus, node, own_disk=disk, node_ip=f"127.0.0.{i + 2}")
+            ip = f"127.0.0.{i + 2}" if sys.platform.startswith("linux") else None
+            add_worker_node(c, args.num_cpus, node, own_disk=disk, node_ip=ip)
         print(f"RAY_ADDRESS={c.address}\nJobs API: {c.dashboard_url}\nclients need RAY_AUTH_MODE=token")
     else:
         stop()
