@@ -17,6 +17,7 @@ resolves inside that job's temporary copy, which Ray deletes with the job and no
 from __future__ import annotations
 
 import json
+import logging
 import os
 import uuid
 from pathlib import Path
@@ -25,20 +26,26 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pipeline.config import ConfigError, StageConfig
+from pipeline.data.sources import expand_urls
 
 # Set by Ray's job supervisor for the job's driver: the job's runtime environment, working_dir included.
 JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+ANSWER_TIMEOUT_S = 300  # for each node's check task: a worker process start, minutes on loaded cores
+log = logging.getLogger(__name__)
 
 
 def _sqlite_dir(uri: str) -> Path | None:
     return Path(uri.removeprefix("sqlite:///")).parent if uri.startswith("sqlite:///") else None
 
 
-def _local(path: str | None) -> str | None:
-    """`path` if it names a local file or folder (not a URI, not a `::` list of shards)."""
-    if not path or "://" in path or path.startswith("pipe:") or "::" in path:
-        return None
-    return path.removeprefix("file:")
+def _local(path: str | None) -> list[str]:
+    """The local files or folders `path` names (a folder, a file, shard patterns `{000..009}` and
+    `::` lists expanded); none for URIs."""
+    if not path:
+        return []
+    return [
+        u.removeprefix("file:") for u in expand_urls(path) if "://" not in u and not u.startswith("pipe:")
+    ]
 
 
 def job_working_dir() -> Path | None:
@@ -100,7 +107,7 @@ def check_nodes_see(cfg: StageConfig) -> None:
         "model.init_from": cfg.model.init_from,
         "objective.teacher.weights": teacher,
     }
-    wanted = {**markers, **{_local(v): (k, _local(v)) for k, v in inputs.items() if _local(v)}}
+    wanted = {**markers, **{p: (k, p) for k, v in inputs.items() for p in _local(v)}}
     for marker in markers:
         Path(marker).parent.mkdir(parents=True, exist_ok=True)
         Path(marker).write_text(
@@ -109,14 +116,26 @@ def check_nodes_see(cfg: StageConfig) -> None:
     try:
         nodes = _worker_nodes(cfg)
         strategy = [NodeAffinitySchedulingStrategy(n["NodeID"], soft=False) for n in nodes]
-        found = ray.get([_missing.options(scheduling_strategy=s).remote(list(wanted)) for s in strategy])
+        refs = [_missing.options(scheduling_strategy=s).remote(list(wanted)) for s in strategy]
+        # Bounded: a node that cannot start the task (dying, out of memory) must not hang the job; it is
+        # reported and the stage goes on, as it would have without the check.
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=ANSWER_TIMEOUT_S)
+        found = [ray.get(r) if r in ready else None for r in refs]
     finally:
         for marker in markers:
             Path(marker).unlink(missing_ok=True)
+    for node, missing in zip(nodes, found):
+        if missing is None:
+            log.warning(
+                "node %s (%s) did not answer the pre-flight check within %d s; not checked",
+                node["NodeManagerAddress"],
+                node["NodeID"][:8],
+                ANSWER_TIMEOUT_S,
+            )
     problems = [
         f"node {node['NodeManagerAddress']} ({node['NodeID'][:8]}) does not see {wanted[p][0]} {wanted[p][1]}"
         for node, missing in zip(nodes, found)
-        for p in missing
+        for p in missing or []
     ]
     if problems:
         raise ConfigError(

@@ -162,7 +162,10 @@ class _StopOnSigterm:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
             if store is not None:
-                store.write_text(STOP_FILE, text)
+                try:
+                    store.write_text(STOP_FILE, text)
+                except Exception as exc:  # raised here it would end the driver mid-stage, unstopped
+                    print(f"SIGTERM: could not write {STOP_FILE} to {store}: {exc}", flush=True)
             print(f"SIGTERM: asked stage {self.stage.name} to checkpoint and stop", flush=True)
 
 

@@ -64,3 +64,16 @@ def test_a_run_dir_inside_the_jobs_working_directory_copy_is_refused(tmp_path, m
     ):
         check_not_in_job_copy(exp.stages, job_working_dir())
     check_not_in_job_copy(load_experiment(experiment, [f"run_dir={tmp_path / 'shared'}"]).stages, copy)
+
+
+def test_preflight_checks_every_local_shard_a_pattern_names_and_no_uri():
+    """The per-node check reads what data.train names: each shard of a local brace pattern or `::` list (a
+    pattern is no path that exists), and nothing for object storage, which every node reads alike."""
+    from cluster.preflight import _local
+
+    assert _local("/data/c/train/shard-{000000..000002}.tar") == [
+        f"/data/c/train/shard-00000{i}.tar" for i in range(3)
+    ]
+    assert _local("file:/a.tar::/b.tar") == ["/a.tar", "/b.tar"]
+    assert _local("/data/corpus") == ["/data/corpus"]
+    assert _local("s3://bucket/corpus?endpoint_override=x") == [] and _local(None) == []
