@@ -28,6 +28,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from pipeline.config import DataConfig
+from pipeline.data.deal import Deal
 from pipeline.data.eval_stream import EvalStream
 from pipeline.data.sources import DatasetInfo
 from pipeline.data.train_stream import ShardStream
@@ -67,8 +68,10 @@ def make_train_loader(
     start_batch: int = 0,
     epochs: int | None = None,
     masks: bool = False,
+    deal: Deal | None = None,
 ) -> DataLoader:
-    """The rank's training batches of `data.batch_size`, continuing at batch `start_batch` (resume);
+    """The rank's training batches of `data.batch_size`, continuing at batch `start_batch` of `deal` (resume;
+    `pipeline.data.deal`: which samples each rank and worker reads, and how that changes with the world size);
     `loader.dataset.epoch_batches` is its batches per epoch. `epochs`: stop after that many."""
     stream = ShardStream(
         info,
@@ -88,6 +91,7 @@ def make_train_loader(
         max_skip_fraction=data.max_skip_fraction,
         decode=data.decode,
         masks=masks,
+        deal=deal,
     )
     workers = data.num_workers
     return _data_loader(

@@ -37,7 +37,7 @@ import io
 import itertools
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import numpy as np
@@ -55,6 +55,7 @@ from pipeline.data.batching import (
     loader_worker,
     sample_labels,
 )
+from pipeline.data.deal import Deal, Piece, batches_done_by_worker, position, shards_for
 from pipeline.data.shard_reader import SkipCounter, read_shards
 from pipeline.data.sources import DatasetInfo, epoch_batches
 from pipeline.data.transforms import train_crop_plan, train_pair, train_tensor
@@ -81,14 +82,19 @@ def _shuffle(samples: Iterator[dict], bufsize: int, rng: np.random.Generator) ->
 
 @dataclass(frozen=True)
 class _Round:
-    """One epoch (epoch mode) or one round of drawn shards (resampled mode) of one worker."""
+    """One epoch (epoch mode), one round of drawn shards (resampled mode) or one carried piece of an
+    earlier deal's epoch (`pipeline.data.deal`) of one worker."""
 
-    index: int
+    index: int  # the epoch (or round) the samples belong to
     urls: list[str]
     shuffle_key: tuple[int, ...]
     augment_key: tuple[int, ...]  # keys the per-sample augmentation generators (`seeds.sample_rngs`)
     num_samples: int | None  # from the manifest
     quota: int | None  # batches this worker yields in it (epoch mode with counts); None: flows on
+    skip: int = 0  # samples of its stream read past, unused (made before a resume, or by another slot)
+    made: int = 0  # batches of the quota made before a resume
+    take: int | None = None  # a carried piece: samples to use after `skip`; its batches run on into the next
+    ends_carry: bool = False  # the last carried piece: a batch it leaves unfilled is dropped
 
 
 class ShardStream(IterableDataset):
@@ -115,6 +121,7 @@ class ShardStream(IterableDataset):
         max_skip_fraction: float = 0.01,
         decode: str = "cpu",
         masks: bool = False,
+        deal: Deal | None = None,
     ):
         if decode not in ("cpu", "cuda"):
             raise ValueError(f"decode must be 'cpu' or 'cuda', got {decode!r}")
@@ -127,6 +134,14 @@ class ShardStream(IterableDataset):
         self.mask_classes = info.mask_classes() if masks else 0
         workers = max(1, num_workers)
         slots = world_size * workers
+        deal = deal or Deal(world_size, workers, batch_size, 1)
+        if (deal.world_size, deal.workers, deal.batch_size) != (world_size, workers, batch_size):
+            raise ValueError(
+                f"the deal is for {deal.world_size} ranks x {deal.workers} workers x batch {deal.batch_size}, "
+                f"the stream has {world_size} x {workers} x {batch_size}: re-deal first (deal.continue_deal)"
+            )
+        if epochs is not None and (deal.carry or deal.base_step):
+            raise ValueError("epochs=N counts from the initial deal: a re-dealt stream counts steps instead")
         if not resampled and len(info.urls) < slots:
             raise DatasetError(
                 f"{len(info.urls)} shards cannot be split over {world_size} ranks x {workers} "
@@ -153,23 +168,21 @@ class ShardStream(IterableDataset):
         self.batch_size, self.img_size = batch_size, img_size
         self.seed, self.shuffle_buffer, self.min_scale = seed, shuffle_buffer, min_scale
         self.start_batch, self.resampled, self.epochs = start_batch, resampled, epochs
+        self.deal = deal
         self.randaugment, self.max_skip_fraction = randaugment, max_skip_fraction
         self.hflip, self.decode, self.masks = hflip, decode, masks
         self._counts = dict(zip(info.urls, info.shard_counts)) if info.shard_counts else None
 
     @staticmethod
     def batches_done_by_worker(start_batch: int, worker: int, num_workers: int) -> int:
-        """Of the rank's first `start_batch` batches, how many came from `worker` (round-robin):
-        ceil((start_batch - worker) / num_workers), never negative."""
-        return max(0, (start_batch - worker + num_workers - 1) // num_workers)
+        """Of the rank's first `start_batch` batches, how many came from `worker` (round-robin)."""
+        return batches_done_by_worker(start_batch, worker, num_workers)
 
     def shards_for(self, epoch: int, worker: int, num_workers: int) -> list[str]:
         """Epoch mode: this rank's and worker's shards in `epoch` (every shard once over all slots)."""
-        order = seeds.rng(seeds.ORDER, self.seed, epoch).permutation(len(self.info.urls))
-        mine = order[self.rank :: self.world_size][worker::num_workers]
-        return [self.info.urls[i] for i in mine]
+        return shards_for(self.info, self.seed, epoch, self.world_size, self.rank, worker, num_workers)
 
-    def _count(self, urls: list[str]) -> int | None:
+    def _count(self, urls: list[str] | tuple[str, ...]) -> int | None:
         return sum(self._counts[u] for u in urls) if self._counts else None
 
     def _epoch_rounds(self, worker: int, num_workers: int, first: int = 0) -> Iterator[_Round]:
@@ -188,40 +201,59 @@ class ShardStream(IterableDataset):
             )
 
     def resampled_rounds(self, worker: int, num_workers: int) -> Iterator[_Round]:
-        """Resampled mode: rounds of shards drawn with replacement from (seed, rank, worker)."""
-        urls = self.info.urls
-        draw = seeds.rng(seeds.DRAW, self.seed, self.rank, worker)
+        """Resampled mode: rounds of shards drawn with replacement from (seed, rank, worker, deal's base
+        step). numpy pads a key with zeros, so base step 0 keys the streams of before there were deals."""
+        urls, base = self.info.urls, self.deal.base_step
+        draw = seeds.rng(seeds.DRAW, self.seed, self.rank, worker, base)
         per_round = max(1, len(urls) // (self.world_size * num_workers))
         for k in itertools.count():
             mine = [urls[i] for i in draw.integers(len(urls), size=per_round)]
             yield _Round(
                 k,
                 mine,
-                (seeds.ROUND_SHUFFLE, self.seed, self.rank, worker, k),
-                (seeds.ROUND_AUGMENT, self.seed, self.rank, worker, k),
+                (seeds.ROUND_SHUFFLE, self.seed, self.rank, worker, k, base),
+                (seeds.ROUND_AUGMENT, self.seed, self.rank, worker, k, base),
                 self._count(mine),
                 None,
             )
 
-    def _resume(self, worker: int, num_workers: int) -> tuple[Iterator[_Round], int, int]:
-        """The worker's rounds from its resume point, batches already made in the first of them,
-        and samples to skip (read, not decoded) from there (the module docstring's step 2)."""
+    def _carried_rounds(self, pieces: tuple[Piece, ...]) -> list[_Round]:
+        return [
+            _Round(
+                p.epoch,
+                list(p.urls),
+                p.shuffle_key,
+                p.augment_key,
+                self._count(p.urls),
+                None,
+                skip=p.skip,
+                take=p.take,
+                ends_carry=i == len(pieces) - 1,
+            )
+            for i, p in enumerate(pieces)
+        ]
+
+    def _resume(self, worker: int, num_workers: int) -> tuple[Iterator[_Round], int]:
+        """The worker's rounds from its resume point and samples to skip (read, not decoded) before them
+        beyond their own `skip` (the module docstring's step 2)."""
         done = self.batches_done_by_worker(self.start_batch, worker, num_workers)
         if not self.resampled and self.epoch_batches is not None:
-            per_epoch = self.epoch_batches // num_workers  # the worker's quota in every epoch
-            within = done % per_epoch
-            return (
-                self._epoch_rounds(worker, num_workers, done // per_epoch),
-                within,
-                within * self.batch_size,
-            )
+            pos = position(self.deal, self.info, self.rank * num_workers + worker, done)
+            rounds = self._epoch_rounds(worker, num_workers, pos.epoch)
+            if pos.carry:
+                return itertools.chain(self._carried_rounds(pos.carry), rounds), 0
+            first = next(rounds, None)
+            if first is None:
+                return iter(()), 0
+            head = replace(first, skip=pos.within * self.batch_size, made=pos.within)
+            return itertools.chain([head], rounds), 0
         to_skip = done * self.batch_size
         if not self.resampled:
-            return self._epoch_rounds(worker, num_workers), 0, to_skip
+            return self._epoch_rounds(worker, num_workers), to_skip
         rounds = self.resampled_rounds(worker, num_workers)
         for rnd in rounds:
             if rnd.num_samples is None or rnd.num_samples > to_skip:
-                return itertools.chain([rnd], rounds), 0, to_skip
+                return itertools.chain([rnd], rounds), to_skip
             to_skip -= rnd.num_samples  # this whole round was consumed before the checkpoint
         raise AssertionError("unreachable: resampled rounds are endless")
 
@@ -283,11 +315,13 @@ class ShardStream(IterableDataset):
         builder = BatchBuilder(
             self.batch_size, self.img_size, k, multi, encoded=self.decode == "cuda", masks=self.masks
         )
-        rounds, made, to_skip = self._resume(worker, num_workers)
+        rounds, to_skip = self._resume(worker, num_workers)
         for rnd in rounds:
             augment_rng = seeds.sample_rngs(*rnd.augment_key)
+            to_skip += rnd.skip
+            made, used = rnd.made, 0
             for i, sample in enumerate(self._round_samples(rnd, counter)):
-                if to_skip:  # resuming: these were consumed before the checkpoint
+                if to_skip:  # resuming: these were consumed before the checkpoint (or by another slot)
                     to_skip -= 1
                     continue
                 try:
@@ -296,11 +330,13 @@ class ShardStream(IterableDataset):
                     counter.skip(sample.get("__url__", "?"), f"sample {sample.get('__key__')}", exc)
                     continue
                 counter.good()
+                used += 1
                 if full:
-                    yield builder.take(skipped=counter.bad)
+                    yield builder.take(skipped=counter.bad, epoch=rnd.index)
                     made += 1
                     if rnd.quota is not None and made == rnd.quota:
                         break
-            if rnd.quota is not None:
+                if rnd.take is not None and used == rnd.take:
+                    break
+            if rnd.quota is not None or rnd.ends_carry:
                 builder.clear()  # the epoch's tail (fewer than a batch, or beyond the quota) is dropped
-            made = 0

@@ -1,0 +1,137 @@
+"""The training stream continued on another world size (pipeline/data/deal.py), through the real
+DataLoader with 2 workers per rank: per-sample key accounting across the switch, both ways and twice.
+
+    .venv/bin/python -m pytest tests/test_redeal.py -q
+"""
+
+import dataclasses
+import itertools
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+from data_prep.layout import DatasetError
+from data_prep.synthetic import class_names, synthetic_samples
+from data_prep.writer import write_dataset
+from pipeline.config import DataConfig
+from pipeline.data.deal import Deal, continue_deal
+from pipeline.data.loader import make_train_loader
+from pipeline.data.sources import dataset_info
+
+pytestmark = pytest.mark.unit
+SEED, BATCH, WORKERS = 3, 8, 2
+
+
+@pytest.fixture(scope="module")
+def info(tmp_path_factory):
+    """320 samples in 8 shards of 40: on 2 ranks x 2 workers each slot reads 2 shards (10 batches of 8) per
+    epoch, on 1 rank x 2 workers 4 shards (20 batches): nothing is dropped by design, so every epoch is
+    every sample once."""
+    root = tmp_path_factory.mktemp("redeal")
+    write_dataset(root, synthetic_samples(320, 6, seed=1, width=24, height=20), class_names(6), True, 40)
+    return dataset_info(root, "train")
+
+
+def batches(info, deal: Deal, rank: int, start_batch: int, n: int) -> list[dict]:
+    data = DataConfig(train="-", batch_size=BATCH, num_workers=WORKERS, shuffle_buffer=16)
+    loader = make_train_loader(
+        info, data, rank=rank, world_size=deal.world_size, img_size=16, seed=SEED, start_batch=start_batch, deal=deal
+    )
+    return [
+        {"epoch": b["epoch"], "key": list(b["key"]), "image": b["image"].clone()}
+        for b in itertools.islice(loader, n)
+    ]
+
+
+def samples(bs: list[dict], epoch: int) -> dict[str, torch.Tensor]:
+    """{key: image} of the batches' samples of `epoch`; a key read twice fails."""
+    out: dict[str, torch.Tensor] = {}
+    for b in bs:
+        if b["epoch"] != epoch:
+            continue
+        for key, image in zip(b["key"], b["image"]):
+            assert key not in out, f"{key} read twice in epoch {epoch}"
+            out[key] = image
+    return out
+
+
+def run(info, deal: Deal, start_step: int, steps: int) -> list[list[dict]]:
+    """Every rank's batches of steps [start_step, start_step + steps) under `deal`."""
+    first = deal.rank_batches(start_step)
+    return [batches(info, deal, r, first, steps * deal.grad_accum) for r in range(deal.world_size)]
+
+
+def merged(*runs: list[list[dict]]) -> list[dict]:
+    return [b for r in runs for rank in r for b in rank]
+
+
+def test_two_ranks_to_one_and_back_read_every_sample_of_each_epoch_once(info):
+    two = Deal(2, WORKERS, BATCH, 1)  # global batch 16
+    straight = run(info, two, 0, 20)  # epoch 0 is 20 batches per rank
+    epoch0 = samples(merged(straight), 0)
+    assert len(epoch0) == 320
+
+    before = run(info, two, 0, 7)  # stopped at step 7: workers 0 and 1 made 4 and 3 batches of epoch 0
+    one = continue_deal(two, 7, (1, WORKERS, BATCH, 2), info, SEED)  # one rank, grad_accum 2: batch 16
+    assert (one.base_step, one.first_epoch) == (7, 1)
+    assert [sum(p.take for p in slot) for slot in one.carry] == [104, 104]  # 26 batches left, 13 per worker
+    after = run(info, one, 7, 33)  # 66 batches: the carry's 26, then epoch 1's 40
+
+    assert [b["epoch"] for b in after[0]] == [0] * 26 + [1] * 40
+    seen0 = samples(merged(before, after), 0)
+    assert seen0.keys() == epoch0.keys()
+    for key, image in seen0.items():  # the same crop and flip the uninterrupted run gave each sample
+        assert torch.equal(image, epoch0[key]), key
+    assert len(samples(merged(after), 1)) == 320
+
+    # Resuming within the re-dealt stream on its own shape continues it exactly (mid-carry and in epoch 1).
+    for step in (11, 20):
+        again = run(info, one, step, 40 - step)
+        tail = after[0][(step - 7) * 2 :]
+        assert [b["key"] for b in again[0]] == [b["key"] for b in tail]
+        assert all(torch.equal(a["image"], b["image"]) for a, b in zip(again[0], tail))
+
+    # And back to two ranks mid-carry (step 12: 10 of the 26 carried batches made): epoch 0 still whole.
+    two_again = continue_deal(one, 12, (2, WORKERS, BATCH, 1), info, SEED)
+    mid = [[b for b in after[0][:10]]]
+    later = run(info, two_again, 12, 20)
+    assert samples(merged(before, mid, later), 0).keys() == epoch0.keys()
+    assert continue_deal(two_again, 30, two_again.shape(), info, SEED) is two_again
+
+
+def test_one_rank_to_two_continues_the_epoch_on_both(info):
+    one = Deal(1, WORKERS, BATCH, 2)
+    straight = run(info, one, 0, 20)
+    epoch0 = samples(merged(straight), 0)
+    before = run(info, one, 0, 3)  # 6 of epoch 0's 40 batches
+    two = continue_deal(one, 3, (2, WORKERS, BATCH, 1), info, SEED)
+    after = run(info, two, 3, 20)
+    per_rank = [Counter(b["epoch"] for b in rank) for rank in after]
+    assert per_rank == [Counter({0: 17, 1: 3}), Counter({0: 17, 1: 3})]  # 34 carried batches, split evenly
+    assert samples(merged(before, after), 0).keys() == epoch0.keys()
+    samples(merged(after), 1)  # no sample twice in the new epoch either
+
+
+def test_a_new_micro_batch_leaves_out_less_than_one_batch(info):
+    two = Deal(2, WORKERS, BATCH, 1)
+    before = run(info, two, 0, 7)
+    other = continue_deal(two, 7, (1, WORKERS, 12, 1), info, SEED)  # 208 carried: 17 batches of 12, 4 out
+    assert sum(p.take for slot in other.carry for p in slot) == 17 * 12
+    data = DataConfig(train="-", batch_size=12, num_workers=WORKERS, shuffle_buffer=16)
+    after = list(itertools.islice(make_train_loader(info, data, rank=0, world_size=1, img_size=16, seed=SEED,
+                                                    deal=other), 17))
+    keys = [k for b in merged(before) for k in b["key"]] + [k for b in after for k in b["key"]]
+    assert len(keys) == len(set(keys)) == 320 - 4
+    assert all(b["epoch"] == 0 for b in after)
+
+
+def test_a_deal_survives_json_and_an_uncounted_stream_cannot_redeal(info):
+    one = continue_deal(Deal(2, WORKERS, BATCH, 1), 7, (1, WORKERS, BATCH, 2), info, SEED)
+    assert Deal.from_dict(json.loads(json.dumps(one.to_dict()))) == one
+    bare = dataclasses.replace(info, shard_counts=None)  # shards without a manifest: no exact counts
+    with pytest.raises(DatasetError, match=r"2 ranks x 2 workers .* 1 x 2 .*manifest"):
+        continue_deal(Deal(2, WORKERS, BATCH, 1), 7, (1, WORKERS, BATCH, 2), bare, SEED)
+    fresh = continue_deal(Deal(2, WORKERS, BATCH, 1), 7, (1, WORKERS, BATCH, 2), bare, SEED, resampled=True)
+    assert (fresh.base_step, fresh.carry) == (7, ())
