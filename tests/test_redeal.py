@@ -37,7 +37,14 @@ def info(tmp_path_factory):
 def batches(info, deal: Deal, rank: int, start_batch: int, n: int) -> list[dict]:
     data = DataConfig(train="-", batch_size=BATCH, num_workers=WORKERS, shuffle_buffer=16)
     loader = make_train_loader(
-        info, data, rank=rank, world_size=deal.world_size, img_size=16, seed=SEED, start_batch=start_batch, deal=deal
+        info,
+        data,
+        rank=rank,
+        world_size=deal.world_size,
+        img_size=16,
+        seed=SEED,
+        start_batch=start_batch,
+        deal=deal,
     )
     return [
         {"epoch": b["epoch"], "key": list(b["key"]), "image": b["image"].clone()}
@@ -120,8 +127,11 @@ def test_a_new_micro_batch_leaves_out_less_than_one_batch(info):
     other = continue_deal(two, 7, (1, WORKERS, 12, 1), info, SEED)  # 208 carried: 17 batches of 12, 4 out
     assert sum(p.take for slot in other.carry for p in slot) == 17 * 12
     data = DataConfig(train="-", batch_size=12, num_workers=WORKERS, shuffle_buffer=16)
-    after = list(itertools.islice(make_train_loader(info, data, rank=0, world_size=1, img_size=16, seed=SEED,
-                                                    deal=other), 17))
+    after = list(
+        itertools.islice(
+            make_train_loader(info, data, rank=0, world_size=1, img_size=16, seed=SEED, deal=other), 17
+        )
+    )
     keys = [k for b in merged(before) for k in b["key"]] + [k for b in after for k in b["key"]]
     assert len(keys) == len(set(keys)) == 320 - 4
     assert all(b["epoch"] == 0 for b in after)

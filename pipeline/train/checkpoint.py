@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 COMPLETE = "COMPLETE.json"
 LATEST = "latest"
+UNIVERSAL = "universal"
 
 
 def tag_for(step: int) -> str:
@@ -88,6 +89,7 @@ class Restored:
     step: int
     tag: str
     extra: dict  # this rank's saved extra state (data-stream position, ...)
+    saved_by: int = 0  # the number of ranks that saved it
 
 
 def owned_by(name: str, rank: int) -> bool:
@@ -122,8 +124,10 @@ def save(
     group=None,
     store: Store | None = None,
     local_rank: int = 0,
+    meta: dict | None = None,
 ) -> Path:
-    """Collective: every rank must call it (rank-0-only saving hangs, DeepSpeed issue 2993).
+    """Collective: every rank must call it (rank-0-only saving hangs, DeepSpeed issue 2993). `meta` goes into
+    COMPLETE.json (the loop records its micro-batch and global batch: a resume on another world size keeps it).
 
     Every node's first local rank (`local_rank` 0) tends its own disk: without a shared filesystem the
     other nodes' tags are not on rank 0's disk.
@@ -155,6 +159,7 @@ def save(
         record = {
             "step": step,
             "world_size": dist.get_world_size(),
+            **(meta or {}),
             "files": {k: v for part in parts for k, v in sorted(part.items())},
         }
         box[0] = text = json.dumps(record, indent=1)
@@ -177,8 +182,20 @@ def save(
     return tag_dir
 
 
-def verify(tag_dir: Path, rank: int, world_size: int) -> str | None:
-    """Why this checkpoint cannot be loaded by `rank`, or None if it can."""
+def _record(tag_dir: Path) -> dict | None:
+    try:
+        return json.loads((tag_dir / COMPLETE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def verify(tag_dir: Path, rank: int, world_size: int, local_rank: int = 0) -> str | None:
+    """Why this checkpoint cannot be loaded by `rank`, or None if it can.
+
+    Saved by as many ranks as this run has, each rank checks the files it will read: its own ZeRO shard,
+    its own state and the model states; the other ranks' files may be on other nodes' disks, where their
+    own ranks check them. Saved by another number of ranks, a resharded load reads every rank's files: each
+    node's first local rank checks them all."""
     if not tag_dir.is_dir():
         return "not on this node's disk (without a shared run_dir, set checkpoint.uri or storage)"
     record_path = tag_dir / COMPLETE
@@ -189,24 +206,69 @@ def verify(tag_dir: Path, rank: int, world_size: int) -> str | None:
     except json.JSONDecodeError:
         return "COMPLETE.json is not valid JSON"
     if record["world_size"] != world_size:
-        return (
-            f"saved by {record['world_size']} ranks, this run has {world_size} (needs a universal checkpoint)"
-        )
-    # Each rank checks the files it will read: its own ZeRO shard, its own state and the model states. The
-    # other ranks' files may be on other nodes' disks; their own ranks check them.
-    mine = [
-        n
-        for n in record["files"]
-        if f"rank_{rank}_" in n or n == f"rank_{rank}.pt" or n.startswith("mp_rank_")
-    ]
+        mine = list(record["files"]) if local_rank == 0 else []
+    else:
+        mine = [
+            n
+            for n in record["files"]
+            if f"rank_{rank}_" in n or n == f"rank_{rank}.pt" or n.startswith("mp_rank_")
+        ]
     for name in mine:
         meta, path = record["files"][name], tag_dir / name
         if not path.is_file() or path.stat().st_size != meta["bytes"]:
-            return f"{name} is missing or has the wrong size"
+            return f"{name} is missing or has the wrong size" + (
+                f" (saved by {record['world_size']} ranks, this run has {world_size}: a resharded load reads "
+                "every rank's files, which a node holds only on a shared run_dir or from checkpoint.uri)"
+                if record["world_size"] != world_size
+                else ""
+            )
     for name in mine:
         if _sha256(tag_dir / name) != record["files"][name]["sha256"]:
             return f"{name} does not match its sha256 (corrupted)"
     return None
+
+
+def to_universal(tag_dir: Path) -> Path | None:
+    """DeepSpeed's universal checkpoint of a ZeRO tag (`ds_to_universal`: every parameter's fp32 weights and
+    optimizer moments whole, one folder each), made once into TAG/universal, which ZeRO 1-3 load on any
+    number of ranks. None for a tag without partitioned optimizer states (ZeRO-0 in fp32/fp16: its optimizer
+    states lie whole in the model states, which load on any number of ranks as they are)."""
+    out = tag_dir / UNIVERSAL
+    if out.is_dir():
+        return out
+    if not any(tag_dir.glob("*optim_states.pt")):
+        return None
+    import argparse
+    import contextlib
+    import io
+    import os
+    import socket
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    # Every node converts its own copy; on a shared disk they race to one folder: each writes its own and
+    # the first rename wins.
+    partial = tag_dir / f"{UNIVERSAL}.partial-{socket.gethostname()}-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    args = argparse.Namespace(
+        input_folder=str(tag_dir),
+        output_folder=str(partial),
+        num_extract_workers=1,  # no process pool: this runs inside a rank (Ray Train's worker thread)
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,
+    )
+    chatter = io.StringIO()
+    with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
+        ds_to_universal.main(args)
+    try:
+        os.replace(partial, out)  # whole or absent
+    except OSError:
+        if not out.is_dir():
+            raise
+        shutil.rmtree(partial, ignore_errors=True)  # another node on this disk converted it first
+    return out
 
 
 def all_agree(ok: bool, group=None) -> bool:
@@ -216,7 +278,7 @@ def all_agree(ok: bool, group=None) -> bool:
     return bool(flag.item())
 
 
-def _remote_tags(store: Store | None, rank: int, group) -> list[str]:
+def _remote_tags(store: Store | None, rank: int, group, broadcast: bool = True) -> list[str]:
     """Tags on the store that have COMPLETE.json, listed by rank 0 and broadcast (one listing, one view)."""
     if store is None:
         return []
@@ -225,8 +287,60 @@ def _remote_tags(store: Store | None, rank: int, group) -> list[str]:
         if rank == 0
         else None
     ]
+    if not broadcast:
+        return box[0]
     dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
+
+
+def _load(engine, ckpt_dir: Path, tag_dir: Path, universal: Path | None, load_optimizer: bool):
+    if universal is None:
+        return engine.load_checkpoint(
+            str(ckpt_dir),
+            tag=tag_dir.name,
+            load_optimizer_states=load_optimizer,
+            load_lr_scheduler_states=load_optimizer,
+        )
+    config = engine._config  # DeepSpeed reads the flag at load time; the engine was built without it
+    before = config.load_universal_checkpoint
+    config.load_universal_checkpoint = True
+    try:
+        return engine.load_checkpoint(
+            str(universal.parent),
+            tag=universal.name,
+            load_optimizer_states=load_optimizer,
+            load_lr_scheduler_states=load_optimizer,
+        )
+    finally:
+        config.load_universal_checkpoint = before
+
+
+def reseed(seed: int, step: int, rank: int) -> None:
+    """Random states for a rank that has no saved ones of its own (a resume on another world size)."""
+    entropy = np.random.SeedSequence([seed, step, rank]).generate_state(4)
+    random.seed(int(entropy[0]))
+    np.random.seed(int(entropy[1]))
+    torch.manual_seed(int(entropy[2]) << 32 | int(entropy[3]))
+
+
+def newest_record(ckpt_dir: Path, store: Store | None, rank: int, group=None) -> dict | None:
+    """COMPLETE.json of the newest complete tag on any node's disk or on the store (the same on every rank),
+    or None: what the stage will resume from, read before its engine is built."""
+    found = None
+    if ckpt_dir.is_dir():
+        for tag in sorted((p.name for p in ckpt_dir.glob("step_*") if p.is_dir()), reverse=True):
+            record = _record(ckpt_dir / tag)
+            if record is not None:
+                found = (tag, record)
+                break
+    if rank == 0 and store is not None:
+        stored = _remote_tags(store, 0, None, broadcast=False)
+        if stored and (found is None or stored[-1] > found[0]):
+            found = (stored[-1], json.loads(store.read_text(f"{stored[-1]}/{COMPLETE}")))
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, found, group=group)
+    best = max((f for f in every if f is not None), default=None, key=lambda f: f[0])
+    return None if best is None else best[1]
 
 
 def resume(
@@ -238,8 +352,15 @@ def resume(
     load_optimizer: bool = True,
     store: Store | None = None,
     local_rank: int = 0,
+    seed: int = 0,
 ) -> Restored | None:
-    """Load the newest complete checkpoint, falling back past broken ones; None if there is none."""
+    """Load the newest complete checkpoint, falling back past broken ones; None if there is none.
+
+    A checkpoint saved by another number of ranks is resharded: every node fetches the whole tag (from
+    `store` where its disk lacks part), its first local rank converts it to a universal checkpoint
+    (`to_universal`), and every rank loads its own partition of weights and optimizer states from that.
+    Each rank's random states then restart from (seed, step, rank); the data-stream position comes from
+    rank 0's state, which describes the whole stream (`pipeline.data.deal`)."""
     remote = set(_remote_tags(store, rank, group))
     local = {p.name for p in ckpt_dir.glob("step_*") if p.is_dir()} if ckpt_dir.is_dir() else set()
     # Every rank walks the same list, else the ranks pair up different collectives and hang: nodes that
@@ -248,7 +369,7 @@ def resume(
     dist.all_gather_object(seen, sorted(local), group=group)
     tags = [ckpt_dir / t for t in sorted(remote.union(*seen), reverse=True)]
     for tag_dir in tags:
-        problem = verify(tag_dir, rank, world_size)
+        problem = verify(tag_dir, rank, world_size, local_rank)
         if tag_dir.name in remote and not all_agree(problem is None, group):
             # Fetch the stored copy onto this node (its first local rank), then check it as any other.
             if local_rank == 0:
@@ -258,7 +379,7 @@ def resume(
                     log.info("rank %d: downloading checkpoint %s from %s", rank, tag_dir.name, store)
                     store.download_dir(tag_dir.name, tag_dir)
             dist.barrier(group=group)
-            problem = verify(tag_dir, rank, world_size)
+            problem = verify(tag_dir, rank, world_size, local_rank)
         if not all_agree(problem is None, group):
             if rank == 0 or problem:
                 log.warning(
@@ -268,24 +389,45 @@ def resume(
                     problem or "another rank found it broken",
                 )
             continue
+        saved_by = (_record(tag_dir) or {}).get("world_size", world_size)
+        universal, failure = None, None
+        if saved_by != world_size and local_rank == 0:
+            try:
+                universal = to_universal(tag_dir)
+            except Exception as exc:
+                failure = exc
+                log.warning(
+                    "rank %d: checkpoint %s does not convert to a universal one: %r", rank, tag_dir, exc
+                )
+        if not all_agree(failure is None, group):
+            continue
+        if saved_by != world_size:
+            universal = tag_dir / UNIVERSAL if (tag_dir / UNIVERSAL).is_dir() else None
+            if rank == 0:
+                log.warning(
+                    "checkpoint %s was saved by %d ranks; resharding it for %d%s",
+                    tag_dir.name,
+                    saved_by,
+                    world_size,
+                    " (universal checkpoint)" if universal else "",
+                )
         try:
-            path, client_state = engine.load_checkpoint(
-                str(ckpt_dir),
-                tag=tag_dir.name,
-                load_optimizer_states=load_optimizer,
-                load_lr_scheduler_states=load_optimizer,
-            )
-            own = torch.load(tag_dir / f"rank_{rank}.pt", weights_only=False)
+            path, client_state = _load(engine, ckpt_dir, tag_dir, universal, load_optimizer)
+            own = torch.load(tag_dir / f"rank_{rank if saved_by == world_size else 0}.pt", weights_only=False)
             loaded = path is not None
         except Exception as exc:  # a file that hashes right but does not load: treat as broken
-            log.warning("rank %d: checkpoint %s failed to load: %s", rank, tag_dir, exc)
+            log.warning("rank %d: checkpoint %s failed to load: %r", rank, tag_dir, exc)
             loaded = False
         if not all_agree(loaded, group):
             continue
-        set_rng_state(own["rng"])
+        step = int(client_state["step"])
+        if saved_by == world_size:
+            set_rng_state(own["rng"])
+        else:
+            reseed(seed, step, rank)
         if rank == 0:
             log.info("resumed from %s", tag_dir)
-        return Restored(int(client_state["step"]), tag_dir.name, own["extra"])
+        return Restored(step, tag_dir.name, own["extra"], saved_by)
     if tags:
         raise RuntimeError(
             f"{ckpt_dir}: none of {len(tags)} checkpoints could be loaded; see the warnings above"

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from data_prep.storage import Store, child
-from pipeline.config import StageConfig
+from pipeline.config import ConfigError, StageConfig
+from pipeline.data.deal import Deal, continue_deal
 from pipeline.data.device import batch_to_device
 from pipeline.data.loader import make_train_loader
 from pipeline.data.sources import dataset_info
@@ -154,6 +155,45 @@ def _peak_flops(cfg: StageConfig, device: torch.device) -> float | None:
     return peak
 
 
+def keep_global_batch(cfg: StageConfig, saved: dict | None, world_size: int) -> StageConfig:
+    """The config to resume with on `world_size` ranks: a checkpoint saved by another number of ranks keeps
+    its global batch (micro-batch x grad_accum x ranks), so grad_accum adjusts; the learning rate, scaled
+    by the global batch, stays with it."""
+    if saved is None or saved["world_size"] == world_size:
+        return cfg
+    micro, before = cfg.data.batch_size, saved["world_size"]
+    global_batch = saved.get("global_batch") or micro * cfg.deepspeed.grad_accum * before
+    accum, rest = divmod(global_batch, micro * world_size)
+    if rest or accum == 0:
+        raise ConfigError(
+            f"step {saved['step']} was saved with global batch {global_batch} on {before} ranks; on "
+            f"{world_size} ranks a micro-batch of {micro} (data.batch_size) cannot make it: {world_size} x {micro} "
+            f"does not divide {global_batch}. Resume on a number of ranks that does, or set data.batch_size "
+            f"to a divisor of {global_batch // world_size if global_batch % world_size == 0 else global_batch}"
+        )
+    if accum != cfg.deepspeed.grad_accum:
+        log.warning(
+            "resuming on %d ranks a stage saved by %d: grad_accum %d -> %d keeps the global batch of %d",
+            world_size,
+            before,
+            cfg.deepspeed.grad_accum,
+            accum,
+            global_batch,
+        )
+    return cfg.model_copy(update={"deepspeed": cfg.deepspeed.model_copy(update={"grad_accum": accum})})
+
+
+def saved_deal(restored: checkpoint.Restored, saved: dict | None, shape: tuple[int, int, int, int]) -> Deal:
+    """The deal the checkpoint's stream was on; a checkpoint from before deals were saved streamed on the
+    initial deal of the shape it was saved with."""
+    if "data" in restored.extra:
+        return Deal.from_dict(restored.extra["data"])
+    record = saved or {}
+    world = restored.saved_by or shape[0]
+    accum = record.get("grad_accum") or (shape[3] * shape[0] // world if world != shape[0] else shape[3])
+    return Deal(world, shape[1], record.get("micro_batch", shape[2]), accum)
+
+
 def train(
     cfg: StageConfig, report: Callable[[dict], None] | None = None, parent_run_id: str | None = None
 ) -> StageResult:
@@ -175,9 +215,11 @@ def train(
     num_params = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them
 
     # -- engine, then resume (weights, optimizer, scheduler, RNG, stream position)
+    store = Store(cfg.checkpoint.uri) if cfg.checkpoint.uri else None  # object storage: s3://, gs://, ...
+    saved = checkpoint.newest_record(ckpt_dir, store, ctx.rank, ctx.control_group)
+    cfg = keep_global_batch(cfg, saved, ctx.world_size)  # on another world size: grad_accum adjusts
     engine, _, lr_scheduler = build_engine(model, cfg, ctx)
     objective.prepare(engine.module, ctx.device)
-    store = Store(cfg.checkpoint.uri) if cfg.checkpoint.uri else None  # object storage: s3://, gs://, ...
     restored = checkpoint.resume(
         engine,
         ckpt_dir,
@@ -187,9 +229,21 @@ def train(
         load_optimizer=cfg.debug.resume_optimizer,
         store=store,
         local_rank=ctx.local_rank,
+        seed=cfg.seed,
     )
+    start = restored.step if restored else 0
+    accum = cfg.deepspeed.grad_accum
+    global_batch = cfg.data.batch_size * accum * ctx.world_size
+    # Which samples each rank and loader worker reads: a resume on another shape re-deals the rest of the epoch.
+    shape = (ctx.world_size, max(1, cfg.data.num_workers), cfg.data.batch_size, accum)
+    deal = Deal(*shape)
+    if restored is not None:
+        deal = continue_deal(
+            saved_deal(restored, saved, shape), start, shape, info, cfg.seed, resampled=cfg.data.resampled
+        )
 
     ckpt_seconds = [0.0]  # spent saving since the last log step: images/s leaves it out
+    meta = {"micro_batch": cfg.data.batch_size, "grad_accum": accum, "global_batch": global_batch}
 
     def save(step: int) -> Path:
         t = time.perf_counter()
@@ -199,17 +253,14 @@ def train(
             step,
             cfg.checkpoint.keep_last,
             ctx.rank,
-            {"step": step},
+            {"step": step, "data": deal.to_dict()},
             group=ctx.control_group,
             store=store,
             local_rank=ctx.local_rank,
+            meta=meta,
         )
         ckpt_seconds[0] += time.perf_counter() - t
         return path
-
-    start = restored.step if restored else 0
-    accum = cfg.deepspeed.grad_accum
-    global_batch = cfg.data.batch_size * accum * ctx.world_size
 
     # -- input
     loader = make_train_loader(
@@ -219,8 +270,9 @@ def train(
         world_size=ctx.world_size,
         img_size=cfg.model.img_size,
         seed=cfg.seed,
-        start_batch=start * accum,
+        start_batch=deal.rank_batches(start),
         masks=cfg.objective.name == "segmentation",
+        deal=deal,
     )
 
     # -- tracking (rank 0 only): a resumed stage continues its MLflow run

@@ -1,0 +1,52 @@
+"""Run under torchrun: one side of a resume on another world size, for each ZeRO stage given.
+
+    torchrun --nproc-per-node 2 tests/scripts/world_size.py save OUT DATA STAGES...    # straight, and stop at 4
+    torchrun --nproc-per-node 1 tests/scripts/world_size.py resume OUT DATA STAGES... [KEY=VALUE...]  # reshard at 4, go on to 8
+
+`save` runs OUT/zeroS/straight (8 steps) and OUT/zeroS/switch (stopped at step 4). `resume` resumes
+OUT/zeroS/at4 (the test's copy of the stopped run) with optim.steps=4: it loads the resharded step 4 and
+saves and exports it at once, on this world size; then it resumes OUT/zeroS/switch to step 8.
+"""
+
+import sys
+from pathlib import Path
+
+from pipeline.config import load_config
+from pipeline.train.engine import shutdown_distributed
+from pipeline.train.loop import train
+
+SMOKE = Path(__file__).parents[2] / "configs/experiments/smoke.yaml"
+
+
+def run(out: Path, data: str, stage: int, name: str, *extra: str) -> None:
+    overrides = [
+        f"run_dir={out}/zero{stage}/{name}",
+        f"data.train={data}",
+        "cluster.launcher=local",
+        f"deepspeed.zero_stage={stage}",
+        "optim.steps=8",
+        "optim.warmup_steps=2",
+        "data.num_workers=1",
+        "tracking.system_metrics=false",
+        f"tracking.uri=sqlite:///{out}/mlflow.db",
+        *extra,
+    ]
+    train(load_config(SMOKE, overrides))
+
+
+def main() -> None:
+    mode, out, data, rest = sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.argv[4:]
+    stages = [int(a) for a in rest if a.isdigit()]
+    extra = [a for a in rest if not a.isdigit()]  # overrides for every run
+    for stage in stages:
+        if mode == "save":
+            run(out, data, stage, "straight", *extra)
+            run(out, data, stage, "switch", "debug.stop_at_step=4", *extra)
+            continue
+        run(out, data, stage, "at4", "optim.steps=4", *extra)
+        run(out, data, stage, "switch", *extra)
+
+
+if __name__ == "__main__":
+    main()
+    shutdown_distributed()  # else gloo's threads may abort this rank's exit
