@@ -34,8 +34,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def two_nodes(run_root: Path, disks: list[Path], script: str, *args: str, timeout: int = 900) -> list[str]:
-    """`script ARGS` on a two-node torchrun (one rank per node), node K seeing disks[K] at run_root.
+def nodes(run_root: Path, disks: list[Path], script: str, *args: str, timeout: int = 900) -> list[str]:
+    """`script ARGS` on a torchrun of one node per disk (one rank per node), node K seeing disks[K] at run_root.
     Returns each node's output; on failure or timeout both nodes' process groups are killed."""
     run_root.mkdir(parents=True, exist_ok=True)
     port = _free_port()
@@ -47,7 +47,7 @@ def two_nodes(run_root: Path, disks: list[Path], script: str, *args: str, timeou
             sys.executable,
             "-m",
             "torch.distributed.run",
-            "--nnodes=2",
+            f"--nnodes={len(disks)}",
             f"--node-rank={node}",
             "--nproc-per-node=1",
             "--master-addr=127.0.0.1",
@@ -89,9 +89,7 @@ def test_ranks_without_a_shared_disk_prune_their_own_and_agree_on_what_to_resume
     root, out = tmp_path / "run", tmp_path / "shared"
     disks = [tmp_path / "node0", tmp_path / "node1"]
     out.mkdir()
-    node0, node1 = two_nodes(
-        root, disks, "tests/scripts/two_nodes.py", str(root), str(smoke_dataset), str(out)
-    )
+    node0, node1 = nodes(root, disks, "tests/scripts/two_nodes.py", str(root), str(smoke_dataset), str(out))
     seen = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     keep = ["step_00000006", "step_00000008"]
     for rank in (0, 1):
@@ -110,3 +108,33 @@ def test_ranks_without_a_shared_disk_prune_their_own_and_agree_on_what_to_resume
     # Every rank wrote its own ZeRO-3 partition on its own disk.
     assert list((disks[1] / "straight" / "checkpoints" / "step_00000008").glob("*rank_1_*"))
     assert not list((disks[0] / "straight" / "checkpoints" / "step_00000008").glob("*rank_1_*"))
+
+
+def test_a_stage_saved_by_two_nodes_goes_on_on_one_and_back_on_two(tmp_path, smoke_dataset, s3):
+    """Nodes on their own disks, checkpoints in a bucket: ZeRO-3 saved by 2 ranks at step 4 resumes on one
+    node (whose disk holds only rank 0's partition: the whole tag comes from the bucket, converted to a
+    universal checkpoint there), stops at step 6 and resumes on two nodes again (node 1's disk never saw
+    step 6). The global batch (32) holds throughout: grad_accum 1 -> 2 -> 1."""
+    root, out = tmp_path / "run", tmp_path / "shared"
+    disks = [tmp_path / "node0", tmp_path / "node1"]
+    out.mkdir()
+    args = [str(root), str(smoke_dataset), str(out), s3("resize")]
+    nodes(root, disks, "tests/scripts/resize_nodes.py", *args, "debug.stop_at_step=4")
+    (one,) = nodes(root, disks[:1], "tests/scripts/resize_nodes.py", *args, "debug.stop_at_step=6")
+    assert "saved by 2 ranks; resharding it for 1" in one and "grad_accum 1 -> 2" in one, one[-3000:]
+    assert (disks[0] / "job/checkpoints/step_00000004/universal").is_dir()
+    node0, node1 = nodes(root, disks, "tests/scripts/resize_nodes.py", *args)
+    assert "saved by 1 ranks; resharding it for 2" in node0, node0[-3000:]
+    # Node 1's disk never saw step 6 (saved on node 0 alone): it came from the bucket and was converted there.
+    assert (disks[1] / "job/checkpoints/step_00000006/universal").is_dir()
+    records = [json.loads((d / "job/checkpoints/step_00000008/COMPLETE.json").read_text()) for d in disks]
+    for record in records:
+        assert (record["world_size"], record["grad_accum"], record["global_batch"]) == (2, 1, 32)
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.tracking import RUN_ID_FILE, read_run_id
+
+    run_id = read_run_id(disks[0] / "job" / RUN_ID_FILE)
+    client = MlflowClient(f"sqlite:///{out}/mlflow.db")
+    loss = {m.step: m.value for m in client.get_metric_history(run_id, "train/loss")}
+    assert sorted(loss) == list(range(1, 9)) and all(0 < v < 100 for v in loss.values()), loss
