@@ -112,10 +112,11 @@ def _start(cmd: list[str], temp_dir: str) -> None:
         raise RuntimeError(f"`{' '.join(cmd)}` failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
 
 
-def _terminate(marker: str) -> None:
-    """Terminate (then kill, after 15 s) every other process whose command line contains `marker`, and
-    every descendant of one: a raylet's agents retitle themselves (`ray::DashboardAgent`), so their
-    command lines name no session, and killed after their raylet they lived on as orphans."""
+def _terminate(marker: str, at_once: bool = False) -> None:
+    """Terminate (then kill, after 15 s; `at_once`: kill now) every other process whose command line
+    contains `marker`, and every descendant of one: a raylet's agents retitle themselves
+    (`ray::DashboardAgent`), so their command lines name no session, and killed after their raylet they
+    lived on as orphans."""
     found: dict[int, psutil.Process] = {}
     for p in psutil.process_iter(["pid", "cmdline"]):
         try:
@@ -127,7 +128,7 @@ def _terminate(marker: str) -> None:
     procs = list(found.values())
     for p in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
-            p.terminate()
+            p.kill() if at_once else p.terminate()
     _, alive = psutil.wait_procs(procs, timeout=15)
     for p in alive:
         with contextlib.suppress(psutil.NoSuchProcess):
@@ -181,6 +182,13 @@ def add_worker_node(
         mount = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
         cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount, "sh", folder, path, *cmd]
     _start(cmd, f"{cluster.temp_dir}-{name}")
+
+
+def kill_node(cluster: LocalCluster, name: str = "worker1") -> None:
+    """A node of `cluster` dies: SIGKILL to its raylet, its agents and every worker it runs, at once (what
+    a lost machine looks like to the rest of the cluster). `add_worker_node` with the same name brings one
+    back."""
+    _terminate(f"{cluster.temp_dir}-{name}/", at_once=True)
 
 
 def stop(cluster: LocalCluster | None = None) -> None:

@@ -24,6 +24,7 @@ import ray
 import ray.train
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.v2._internal.constants import is_v2_enabled
 
 from cluster.preflight import check_nodes_see, check_not_in_job_copy, job_working_dir
 from data_prep import atomic
@@ -102,11 +103,15 @@ def run_stage(cfg: StageConfig, parent_run_id: str | None = None):
     for key, value in RAY_TRAIN_LOG_ENV.items():
         os.environ.setdefault(key, value)  # read by TorchTrainer.fit() and passed on to its actors
     c = cfg.cluster
+    if c.elastic and not is_v2_enabled():
+        raise ConfigError(
+            f"cluster.num_workers: {list(c.num_workers)} (elastic) needs Ray Train v2 (unset RAY_TRAIN_V2_ENABLED=0)"
+        )
     trainer = TorchTrainer(
         _worker,
         train_loop_config={"cfg": cfg.model_dump(mode="json"), "parent_run_id": parent_run_id},
         scaling_config=ScalingConfig(
-            num_workers=c.num_workers,
+            num_workers=c.num_workers,  # (min, max): elastic (Ray Train v2)
             use_gpu=c.use_gpu,
             resources_per_worker={"CPU": c.cpus_per_worker, **({"GPU": 1} if c.use_gpu else {})},
             placement_strategy=c.placement_strategy,

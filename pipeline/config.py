@@ -314,7 +314,12 @@ class ClusterConfig(_Section):
     launcher: Literal["local", "ray"] = Field(
         "ray", description="`ray`: Ray Train workers; `local`: this process (or torchrun's processes)."
     )
-    num_workers: int = Field(2, gt=0, description="Training workers (ranks) for the Ray launcher.")
+    num_workers: int | tuple[int, int] = Field(
+        2,
+        description="Training workers (ranks) for the Ray launcher; [MIN, MAX] makes the stage elastic: Ray "
+        "Train starts it on as many as fit and restarts it on the workers left after a node is lost, from "
+        "the newest checkpoint resharded (the global batch stays micro-batch x grad_accum x MAX).",
+    )
     use_gpu: bool = Field(False, description="One GPU per worker, NCCL backend; else CPU and gloo.")
     cpus_per_worker: float = Field(1.0, gt=0.0, description="CPUs reserved per worker.")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
@@ -324,6 +329,22 @@ class ClusterConfig(_Section):
         None, description="Ray address; null uses RAY_ADDRESS or starts a local Ray instance."
     )
     max_failures: int = Field(0, ge=-1, description="Worker-group restarts Ray Train allows (-1: unlimited).")
+
+    @field_validator("num_workers")
+    @classmethod
+    def _workers(cls, v: int | tuple[int, int]) -> int | tuple[int, int]:
+        low, high = (v, v) if isinstance(v, int) else v
+        if not 0 < low <= high:
+            raise ValueError(f"expected a number of workers > 0, or [MIN, MAX] with 0 < MIN <= MAX; got {v}")
+        return v
+
+    @property
+    def elastic(self) -> bool:
+        return not isinstance(self.num_workers, int)
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[1]
 
 
 class TrackingConfig(_Section):
@@ -370,6 +391,9 @@ class DebugConfig(_Section):
         None, gt=0, description="Step at which kill_rank dies (once per run dir)."
     )
     resume_optimizer: bool = Field(True, description="False resumes weights only (a negative control).")
+    step_delay_s: float = Field(
+        0.0, ge=0.0, description="Sleep after every step: a tiny run lasts long enough for a test to kill a node."
+    )
 
 
 class EvalConfig(_Section):

@@ -227,6 +227,38 @@ class _RayClusters:
         return cls.cluster
 
     @classmethod
+    def revive_worker(cls) -> None:
+        """The second node again, as it was started, after a test killed it (`local.kill_node`)."""
+        from cluster import local
+
+        local.kill_node(cls.cluster)  # whatever of it is left
+        own = (cls.disk, cls.disk_of_worker) if OWN_DISKS else None
+        local.add_worker_node(cls.cluster, num_cpus=2, own_disk=own)
+        cls.wait_for_cpus(4)
+
+    @classmethod
+    def wait_for_cpus(cls, cpus: int, timeout: float = 120) -> None:
+        """Until `cpus` CPUs of the cluster are free (a revived node registered; a finished run's actors
+        gone): an elastic stage starts on as many workers as fit at that moment."""
+        from cluster import local
+
+        wait = (
+            f"import ray, time; ray.init(address='{cls.cluster.address}', logging_level='ERROR')\n"
+            f"t = time.time() + {timeout}\n"
+            f"while ray.available_resources().get('CPU', 0) < {cpus} and time.time() < t: time.sleep(0.5)\n"
+            "print(ray.available_resources().get('CPU', 0))"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", wait],
+            env={**os.environ, **local.auth_env()},
+            capture_output=True,
+            text=True,
+            timeout=timeout + 120,
+        )
+        free = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "?"
+        assert free != "?" and float(free) >= cpus, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+    @classmethod
     def stop(cls) -> None:
         """Stop the cluster and check that none of its processes, nor any they started, is left: the
         raylets' agents retitle themselves (`ray::DashboardAgent`) and were left running, orphaned, after
@@ -271,6 +303,23 @@ def ray_cluster():
     """The shared local Ray cluster (see `_RayClusters`); the Ray tests of a group run back to back on one
     worker (tests/scheduling.py), so they share one cluster."""
     return _RayClusters.get()
+
+
+@pytest.fixture
+def kill_worker_node(ray_cluster):
+    """Yields a function that kills the shared cluster's second node (every process of it, at once); the node
+    comes back after the test."""
+    from cluster import local
+
+    killed = []
+
+    def kill() -> None:
+        killed.append(True)
+        local.kill_node(ray_cluster)
+
+    yield kill
+    if killed:
+        _RayClusters.revive_worker()
 
 
 @pytest.fixture

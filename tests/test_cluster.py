@@ -14,12 +14,13 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import vitpipe_shard
+from conftest import _RayClusters, vitpipe_shard
 from mlflow.tracking import MlflowClient
-from safetensors.torch import load_file
+from safetensors.torch import load
 
 from cluster import local
 from data_prep.storage import Store, child
+from pipeline.train.checkpoint import tag_for as checkpoint_tag
 
 ROOT = Path(__file__).parents[1]
 # A worker's progress line as the job log shows it: "(RayTrainWorker pid=N) step 3/8 loss ..." (ANSI inside).
@@ -108,26 +109,94 @@ def _train(ray_cluster, run_dir: Path, data: Path, *extra: str, check: bool = Tr
     )
 
 
-def test_killed_worker_recovers_with_the_weights_of_an_uninterrupted_run(
-    ray_cluster, tmp_path, smoke_dataset
+def _train_across_nodes(ray_cluster, run_dir: Path, data: Path, uri: str, db: Path, *extra: str) -> list[str]:
+    """`vitpipe train` of the smoke stage with one rank per node (SPREAD), checkpoints and export in a bucket,
+    MLflow in a SQLite file every node sees; 16 steps made to last about 8 s (`debug.step_delay_s`)."""
+    return [
+        sys.executable, "-m", "vitpipe", "train", str(SMOKE), f"cluster.address={ray_cluster.address}",
+        f"run_dir={run_dir}", f"data.train={data}", f"checkpoint.uri={uri}", f"tracking.uri=sqlite:///{db}",
+        "cluster.placement_strategy=SPREAD", "optim.steps=16", "checkpoint.every_steps=2",
+        "debug.step_delay_s=0.5", "tracking.system_metrics=false", "model.overrides.drop_path_rate=0.1", *extra,
+    ]  # fmt: skip
+
+
+def _kill_node_mid_stage(cmd: list[str], stored: Store, kill) -> str:
+    """Run `cmd`, kill the second node once the stage has a checkpoint at step 4 or later in the bucket,
+    and return the command's output once it ends (it must succeed)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 900
+    while time.time() < deadline and proc.poll() is None:
+        if stored.exists("latest") and stored.read_text("latest") >= "step_00000004":
+            kill()
+            break
+        time.sleep(0.5)
+    out = proc.communicate(timeout=max(60, deadline - time.time()))[0]
+    assert proc.returncode == 0, out[-5000:]
+    return out
+
+
+def _losses(db: Path) -> dict[int, float]:
+    client = MlflowClient(f"sqlite:///{db}")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "FINISHED"
+    return {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/loss")}
+
+
+def test_a_killed_node_recovers_with_the_weights_of_an_uninterrupted_run(
+    ray_cluster, node_disks, kill_worker_node, s3, tmp_path, smoke_dataset
 ):
-    _train(ray_cluster, tmp_path / "straight", smoke_dataset)
-    _train(
-        ray_cluster,
-        tmp_path / "killed",
-        smoke_dataset,
-        "cluster.max_failures=1",
-        "debug.kill_rank=1",
-        "debug.kill_at_step=5",
+    """One rank per node, the second node's disk its own; the whole second node dies mid-stage (every process
+    of it, not one worker). Ray Train restarts the worker group (max_failures) on the head, whose two CPUs
+    take both ranks; they resume from the bucket and end with the uninterrupted run's weights."""
+    head_disk, worker_disk = node_disks
+    for name in ("straight", "killed"):
+        (tmp_path / name).mkdir()
+    straight = s3("nodekill/straight")
+    cli(
+        *_train_across_nodes(
+            ray_cluster, head_disk / "straight", smoke_dataset, straight, tmp_path / "straight/m.db"
+        )
     )
-    assert (tmp_path / "killed" / "debug_killed_rank1_step5").is_file()  # the fault really happened
-    a = load_file(str(tmp_path / "straight" / "export" / "model.safetensors"))
-    b = load_file(str(tmp_path / "killed" / "export" / "model.safetensors"))
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    history = MlflowClient(f"sqlite:///{tmp_path / 'killed' / 'mlflow.db'}")
-    (run,) = history.search_runs([e.experiment_id for e in history.search_experiments()])
-    steps = [m.step for m in history.get_metric_history(run.info.run_id, "train/loss")]
-    assert steps == list(range(1, 9)) and run.info.status == "FINISHED"
+    killed = s3("nodekill/killed")
+    cmd = _train_across_nodes(
+        ray_cluster,
+        head_disk / "killed",
+        smoke_dataset,
+        killed,
+        tmp_path / "killed/m.db",
+        "cluster.max_failures=1",
+    )
+    _kill_node_mid_stage(cmd, Store(killed), kill_worker_node)
+    # The second node held a rank: its ZeRO-2 shard was on its own disk (the node died with it).
+    assert list((worker_disk / "killed/checkpoints").glob("step_*/zero_pp_rank_*"))
+    a = load(Store(straight).read_bytes("export/model.safetensors"))
+    b = load(Store(killed).read_bytes("export/model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    loss, expected = _losses(tmp_path / "killed/m.db"), _losses(tmp_path / "straight/m.db")
+    assert sorted(loss) == list(range(1, 17)) and loss[16] == expected[16]
+
+
+def test_an_elastic_stage_that_loses_a_node_goes_on_on_the_rest(
+    ray_cluster, node_disks, kill_worker_node, s3, tmp_path, smoke_dataset
+):
+    """cluster.num_workers [1, 2] with 2 CPUs per worker: one rank per node. The second node dies for good;
+    Ray Train restarts the stage on the one worker that fits, which reshards the newest checkpoint from the
+    bucket and keeps the global batch (grad_accum 1 -> 2)."""
+    head_disk, worker_disk = node_disks
+    _RayClusters.wait_for_cpus(4)  # both nodes free: the stage starts on two workers
+    uri = s3("elastic/job")
+    cmd = _train_across_nodes(
+        ray_cluster, head_disk / "elastic", smoke_dataset, uri, tmp_path / "m.db",
+        "cluster.num_workers=[1,2]", "cluster.cpus_per_worker=2", "cluster.max_failures=3",
+    )  # fmt: skip
+    out = _kill_node_mid_stage(cmd, Store(uri), kill_worker_node)
+    assert list((worker_disk / "elastic/checkpoints").glob("step_*/zero_pp_rank_*")), out[
+        -5000:
+    ]  # it had a rank
+    assert "saved by 2 ranks; resharding it for 1" in out and "grad_accum 1 -> 2" in out, out[-5000:]
+    record = json.loads(Store(uri).read_text(f"{checkpoint_tag(16)}/COMPLETE.json"))
+    assert (record["world_size"], record["grad_accum"], record["global_batch"]) == (1, 2, 32)
+    assert sorted(_losses(tmp_path / "m.db")) == list(range(1, 17))
 
 
 def test_retries_exhausted_fail_the_job_and_the_mlflow_runs(ray_cluster, tmp_path, smoke_dataset):

@@ -371,9 +371,14 @@ def resume(
     for tag_dir in tags:
         problem = verify(tag_dir, rank, world_size, local_rank)
         if tag_dir.name in remote and not all_agree(problem is None, group):
-            # Fetch the stored copy onto this node (its first local rank), then check it as any other.
-            if local_rank == 0:
-                if problem and tag_dir.exists():
+            # Fetch the stored copy onto every node where some rank lacks its part (its first local rank
+            # fetches), then check it as any other. A node's ranks are numbered from its first local rank's:
+            # after a restart a node may hold ranks whose files another node wrote.
+            node = rank - local_rank
+            seen: list = [None] * dist.get_world_size()
+            dist.all_gather_object(seen, (node, problem), group=group)
+            if local_rank == 0 and any(p for n, p in seen if n == node):
+                if tag_dir.exists():
                     shutil.rmtree(tag_dir, ignore_errors=True)
                 if not tag_dir.exists():
                     log.info("rank %d: downloading checkpoint %s from %s", rank, tag_dir.name, store)

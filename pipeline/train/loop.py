@@ -156,29 +156,33 @@ def _peak_flops(cfg: StageConfig, device: torch.device) -> float | None:
 
 
 def keep_global_batch(cfg: StageConfig, saved: dict | None, world_size: int) -> StageConfig:
-    """The config to resume with on `world_size` ranks: a checkpoint saved by another number of ranks keeps
-    its global batch (micro-batch x grad_accum x ranks), so grad_accum adjusts; the learning rate, scaled
-    by the global batch, stays with it."""
-    if saved is None or saved["world_size"] == world_size:
+    """The config to run on `world_size` ranks with: the global batch (micro-batch x grad_accum x ranks) stays
+    that of the checkpoint resumed from when it was saved by another number of ranks, or when the stage is
+    elastic (`cluster.num_workers: [MIN, MAX]`: then it starts as micro-batch x grad_accum x MAX), and
+    grad_accum adjusts; the learning rate, scaled by the global batch, stays with it."""
+    micro, c = cfg.data.batch_size, cfg.cluster
+    if saved is not None and (saved["world_size"] != world_size or c.elastic):
+        target = saved.get("global_batch") or micro * cfg.deepspeed.grad_accum * saved["world_size"]
+        source = f"step {saved['step']} was saved with global batch {target} on {saved['world_size']} ranks"
+    elif saved is None and c.elastic and c.launcher == "ray":
+        target = micro * cfg.deepspeed.grad_accum * c.max_workers
+        source = f"the elastic stage's global batch is {target} ({micro} x {cfg.deepspeed.grad_accum} x {c.max_workers} workers)"
+    else:
         return cfg
-    micro, before = cfg.data.batch_size, saved["world_size"]
-    global_batch = saved.get("global_batch") or micro * cfg.deepspeed.grad_accum * before
-    accum, rest = divmod(global_batch, micro * world_size)
+    accum, rest = divmod(target, micro * world_size)
     if rest or accum == 0:
         raise ConfigError(
-            f"step {saved['step']} was saved with global batch {global_batch} on {before} ranks; on "
-            f"{world_size} ranks a micro-batch of {micro} (data.batch_size) cannot make it: {world_size} x {micro} "
-            f"does not divide {global_batch}. Resume on a number of ranks that does, or set data.batch_size "
-            f"to a divisor of {global_batch // world_size if global_batch % world_size == 0 else global_batch}"
+            f"{source}; on {world_size} ranks a micro-batch of {micro} (data.batch_size) cannot make it: "
+            f"{world_size} x {micro} does not divide {target}. Run on a number of ranks that does, or set "
+            f"data.batch_size to a divisor of {target // world_size if target % world_size == 0 else target}"
         )
     if accum != cfg.deepspeed.grad_accum:
         log.warning(
-            "resuming on %d ranks a stage saved by %d: grad_accum %d -> %d keeps the global batch of %d",
+            "on %d ranks: grad_accum %d -> %d keeps the global batch of %d",
             world_size,
-            before,
             cfg.deepspeed.grad_accum,
             accum,
-            global_batch,
+            target,
         )
     return cfg.model_copy(update={"deepspeed": cfg.deepspeed.model_copy(update={"grad_accum": accum})})
 
@@ -311,6 +315,8 @@ def train(
         stopped_early = interrupted = False
         for step in range(start, cfg.optim.steps):
             _maybe_kill(cfg, ctx.rank, step + 1, run_path)
+            if cfg.debug.step_delay_s:
+                time.sleep(cfg.debug.step_delay_s)
             loss, metrics, batch, waited = train_step(
                 engine, objective, batches, to_device, cfg.seed, step, accum, ctx.rank
             )
