@@ -3,8 +3,8 @@
     ray job submit --working-dir . -- python -m cluster.run configs/experiments/NAME.yaml [KEY=VALUE ...]
     vitpipe run configs/experiments/NAME.yaml          # the same, from this shell (starts or joins Ray)
 
-Idempotent: a finished stage leaves RUN_DIR/STAGE/DONE.json and is skipped when the experiment is
-submitted again; an unfinished one resumes from its newest complete checkpoint. One MLflow parent run
+Idempotent: a finished stage leaves RUN_DIR/STAGE/DONE.json (and DONE.json in its storage) and is
+skipped when the experiment is submitted again; an unfinished one resumes from its newest complete checkpoint. One MLflow parent run
 per experiment (reopened on resubmission) holds a nested run per stage and a summary of each.
 A worker process that dies mid-stage makes Ray Train restart the worker group (cluster.max_failures
 times); the loop then resumes from the newest checkpoint. `ray job stop` sends this driver SIGTERM:
@@ -14,6 +14,7 @@ not share the driver's disk), the loop checkpoints at its next log step and ends
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -29,7 +30,7 @@ from ray.train.v2._internal.constants import is_v2_enabled
 from cluster.preflight import check_nodes_see, check_not_in_job_copy, job_working_dir
 from data_prep import atomic
 from data_prep.layout import DatasetError
-from data_prep.storage import Store
+from data_prep.storage import Store, child
 from pipeline.config import (
     ConfigError,
     Experiment,
@@ -135,6 +136,27 @@ def _stage_run_id(cfg: StageConfig) -> str | None:
     return found
 
 
+def finished(cfg: StageConfig) -> str | None:
+    """Where the record of the stage's finish is (RUN_DIR/STAGE/DONE.json, or DONE.json beside its stored
+    checkpoints when this node's disk lost it), or None if the stage has not finished."""
+    local = cfg.run_path / DONE
+    if local.is_file():
+        return str(local)
+    if cfg.checkpoint.uri and Store(cfg.checkpoint.uri).exists(DONE):
+        return child(cfg.checkpoint.uri, DONE)
+    return None
+
+
+def mark_finished(cfg: StageConfig, record: dict) -> None:
+    """The stage's finish, recorded on this disk and, with storage, beside its stored checkpoints: a
+    resubmission after every node's disk is gone skips it too (its export is in storage as well)."""
+    atomic.write_json(
+        cfg.run_path / DONE, record
+    )  # its presence marks the stage finished: never half written
+    if cfg.checkpoint.uri:
+        Store(cfg.checkpoint.uri).write_text(DONE, json.dumps(record, indent=1))
+
+
 def _stop_places(cfg: StageConfig) -> tuple[Path, Store | None]:
     """Where a stop request for the stage goes: its run directory (the workers on this node, or every node
     on a shared disk) and its object storage (every node)."""
@@ -201,8 +223,8 @@ def run_experiment(exp: Experiment) -> int:
     write_run_id(parent_file, parent)
     print(f"[{exp.name}] MLflow parent run {parent} at {exp.tracking_uri}", flush=True)
     for name, cfg in exp.stages:
-        done = cfg.run_path / DONE
-        if done.is_file():
+        done = finished(cfg)
+        if done:
             print(f"[{exp.name}] stage {name}: already finished ({done}), skipping", flush=True)
             continue
         print(f"[{exp.name}] stage {name}: starting ({cfg.cluster.num_workers} workers)", flush=True)
@@ -236,7 +258,7 @@ def run_experiment(exp: Experiment) -> int:
         log_to_run(exp.tracking_uri, parent, metrics=summary, tags={f"stage.{name}.run_id": stage_run or ""})
         export = str(cfg.run_path / "export") if cfg.kind == "train" else None
         record = {"stage": name, "mlflow_run_id": stage_run, "finished_at": time.time(), "export": export}
-        atomic.write_json(done, record)  # its presence marks the stage finished: never half written
+        mark_finished(cfg, record)
         print(f"[{exp.name}] stage {name}: done", flush=True)
     end_run(exp.tracking_uri, parent, "FINISHED")
     print(f"[{exp.name}] all {len(exp.stages)} stages finished; MLflow: {exp.tracking_uri}", flush=True)

@@ -428,6 +428,15 @@ def test_nodes_that_share_only_the_bucket_and_mlflow_run_stop_and_resume_an_expe
     assert runs["finetune"].data.params["model.init_from"].startswith("s3://")
     jobs = cli(sys.executable, "-m", "vitpipe", "jobs", "--address", ray_cluster.dashboard_url).stdout
     assert "multinode_tiny-" in jobs and "SUCCEEDED" in jobs
+
+    # Torn down once more after it finished: resubmitted, every stage is found finished in the bucket.
+    shutil.rmtree(head_disk / "exp")
+    shutil.rmtree(worker_disk / "exp", ignore_errors=True)
+    proc = cli(
+        sys.executable, "-m", "cluster.run", str(MULTINODE), *common, f"storage={storage}",
+        f"stages.pretrain.optim.steps={stopped + 2}", f"cluster.address={ray_cluster.address}", env=creds,
+    )  # fmt: skip
+    assert proc.stdout.count("already finished (s3://") == 3, proc.stdout[-3000:]
     for disk in (head_disk, worker_disk):
         for stage in ("pretrain", "finetune"):
             assert len(_tags_on(disk, stage)) <= 2, (disk, stage, _tags_on(disk, stage))
