@@ -13,7 +13,9 @@ Two modes:
 The in-worker shuffle of each epoch or round draws from (seed, epoch or round, rank, worker) and
 each sample's augmentation from that plus its index, so the same seed gives the same batches.
 
-Resume: `start_batch=M` continues the rank's stream exactly where batch M-1 ended.
+Resume: `start_batch=M` continues the rank's stream exactly where batch M-1 ended, M counted from the
+start of its deal (`pipeline.data.deal`: which slot reads what, and the carry of an epoch begun on
+another world size, read before the deal's own epochs).
 1. Who made what. The DataLoader takes batches from its W workers round-robin, so batch b came from
    worker b % W, and worker w made ceil((M - w) / W) of the first M batches
    (`batches_done_by_worker`). A resumed DataLoader starts asking at process 0 again, so process k

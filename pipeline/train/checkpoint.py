@@ -23,6 +23,11 @@ rank 0 uploads COMPLETE.json and then `latest` once every rank has: a remote tag
 COMPLETE.json is a save cut short. Resume takes remote tags into the same walk, downloading one onto
 each node (its first local rank) when the local copy is missing or broken, so a run resumes on
 machines that never saw its earlier steps.
+
+Another number of ranks than saved a tag (a node lost, more bought, an elastic stage) loads it resharded:
+every node fetches the whole tag, its first local rank converts it once to DeepSpeed's universal
+checkpoint (TAG/universal: each parameter's fp32 weights and optimizer moments whole) and each rank
+loads its own partition from there (`to_universal`, `resume`).
 """
 
 from __future__ import annotations

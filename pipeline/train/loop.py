@@ -8,7 +8,10 @@ A step makes no host sync: the loss is read, metrics logged and stop requests ag
 
 Exactness: a stage stopped after step N and resumed gives the same per-step losses and final weights
 as an uninterrupted one (CPU, fp32): the checkpoint holds model, optimizer, scheduler, step, every
-rank's RNG states, and the data stream continues at batch N x grad_accum (see pipeline.data.train_stream).
+rank's RNG states, and the data stream's deal, which continues at batch N x grad_accum (see
+pipeline.data.train_stream). Resumed on another number of ranks, the ZeRO state is resharded
+(pipeline.train.checkpoint), the global batch kept (`keep_global_batch`) and the stream re-dealt
+(pipeline.data.deal).
 """
 
 from __future__ import annotations
@@ -342,6 +345,7 @@ def train(
                     "train/lr": lr_scheduler.get_last_lr()[0],
                     "train/images_per_s": images_per_s,
                     "data/skipped_samples": packed[1].item(),
+                    **({"data/epoch": float(batch["epoch"])} if "epoch" in batch else {}),  # rank 0's stream
                     # rank 0's time getting batches (loader wait, copy or GPU decode), a fraction of the interval
                     "data/wait_fraction": min(1.0, data_wait / training_s),
                     **{f"train/{k}": v.item() for k, v in metrics.items()},
