@@ -28,10 +28,20 @@ def moments(tag_dir: Path) -> dict[str, torch.Tensor]:
     """Every parameter's fp32 weights and Adam moments in a tag, whatever number of ranks saved it."""
     universal = checkpoint.to_universal(tag_dir)
     out = {}
-    if universal is None:  # ZeRO-0 in fp32: weights and optimizer whole in the model states
+    if universal is None:  # ZeRO-0: weights and optimizer whole in the model states
         state = torch.load(tag_dir / "mp_rank_00_model_states.pt", weights_only=False)
         out.update({f"{k}/fp32": v for k, v in state["module"].items()})
-        for i, s in state["optimizer"]["state"].items():
+        optimizer = state["optimizer"]
+        if "optimizer_state_dict" in optimizer:  # bf16/fp16: DeepSpeed's wrapper holds fp32 master copies
+            out.update(
+                {
+                    f"group{g}/{i}/master": t
+                    for g, ts in enumerate(optimizer["fp32_groups"])
+                    for i, t in enumerate(ts)
+                }
+            )
+            optimizer = optimizer["optimizer_state_dict"]
+        for i, s in optimizer["state"].items():
             out.update({f"{i}/{k}": v for k, v in s.items() if torch.is_tensor(v)})
         return out
     for param in sorted(p for p in (universal / "zero").iterdir() if p.is_dir()):
@@ -87,8 +97,8 @@ def check(out: Path, stage: int, ranks_after: int, accum_after: int) -> None:
     assert abs(mean - expected) < 0.15 * expected, (mean, expected)
 
 
-def copy_stopped(out: Path) -> None:
-    for stage in STAGES:
+def copy_stopped(out: Path, stages=STAGES) -> None:
+    for stage in stages:
         shutil.copytree(out / f"zero{stage}/switch", out / f"zero{stage}/at4")
 
 
@@ -113,6 +123,16 @@ def test_one_rank_resumes_on_two_per_zero_stage(smoke_dataset, tmp_path):
         check(tmp_path, stage, ranks_after=2, accum_after=1)
 
 
+@pytest.mark.timeout(1800)
+def test_bf16_zero3_two_ranks_resume_on_one(smoke_dataset, tmp_path):
+    """The GPU recipe's precision (bf16 weights, fp32 master copies and moments): resharded the same."""
+    args = [str(tmp_path), str(smoke_dataset), "3", "deepspeed.precision=bf16"]
+    torchrun("tests/scripts/world_size.py", "save", *args)
+    copy_stopped(tmp_path, (3,))
+    torchrun("tests/scripts/world_size.py", "resume", *args, nproc=1)
+    check(tmp_path, 3, ranks_after=1, accum_after=2)
+
+
 def test_a_global_batch_the_new_world_cannot_make_names_the_numbers():
     cfg = load_config("configs/experiments/smoke.yaml", ["deepspeed.grad_accum=1"])
     saved = {"step": 40, "world_size": 2, "global_batch": 32}
@@ -122,3 +142,14 @@ def test_a_global_batch_the_new_world_cannot_make_names_the_numbers():
         ValueError, match=r"global batch 32 on 2 ranks; on 3 ranks .* 3 x 16 does not divide 32"
     ):
         keep_global_batch(cfg, saved, 3)
+
+
+def test_an_elastic_stage_keeps_the_global_batch_of_its_largest_size():
+    cfg = load_config("configs/experiments/smoke.yaml", ["cluster.num_workers=[1,4]"])  # micro 16, accum 1
+    assert keep_global_batch(cfg, None, 4).deepspeed.grad_accum == 1  # 16 x 1 x 4 = 64
+    assert keep_global_batch(cfg, None, 1).deepspeed.grad_accum == 4
+    saved = {"step": 8, "world_size": 1, "global_batch": 64, "grad_accum": 4}
+    assert keep_global_batch(cfg, saved, 1).deepspeed.grad_accum == 4  # same size again: still 64
+    assert keep_global_batch(cfg, saved, 2).deepspeed.grad_accum == 2
+    with pytest.raises(ValueError, match=r"on 3 ranks .* 3 x 16 does not divide 64"):
+        keep_global_batch(cfg, None, 3)
