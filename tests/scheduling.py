@@ -18,10 +18,11 @@ import pytest
 # The Ray tests split over three local clusters (one per group), each group a few minutes long; the
 # rest (first-named tests and any new Ray test) run on "ray_a".
 RAY_GROUPS = {
-    "test_killed_worker_recovers_with_the_weights_of_an_uninterrupted_run": "ray_b",
+    "test_a_killed_node_recovers_with_the_weights_of_an_uninterrupted_run": "ray_b",
     "test_retries_exhausted_fail_the_job_and_the_mlflow_runs": "ray_b",
     "test_thin_run_on_two_ray_workers": "ray_c",
     "test_segmentation_stages_run_as_ray_stages": "ray_c",
+    "test_an_elastic_stage_that_loses_a_node_goes_on_on_the_rest": "ray_c",
 }
 # Tests that take minutes: started before everything else, longest first. Seconds as measured inside a
 # full `make test` (2 cores, 5 workers, so several times their time alone); a group's weight is its
@@ -29,8 +30,12 @@ RAY_GROUPS = {
 LONG_TESTS = {
     "test_reduced_demo_runs_end_to_end": 660,
     "test_nodes_that_share_only_the_bucket_and_mlflow_run_stop_and_resume_an_experiment": 500,
-    "test_killed_worker_recovers_with_the_weights_of_an_uninterrupted_run": 310,  # ray_b: with retries
-    "test_segmentation_stages_run_as_ray_stages": 400,  # ray_c: with the thin run
+    "test_a_killed_node_recovers_with_the_weights_of_an_uninterrupted_run": 420,  # ray_b: with retries
+    "test_segmentation_stages_run_as_ray_stages": 600,  # ray_c: with the thin run and the elastic stage
+    "test_two_ranks_resume_on_one_per_zero_stage": 250,
+    "test_one_rank_resumes_on_two_per_zero_stage": 250,
+    "test_a_stage_saved_by_two_nodes_goes_on_on_one_and_back_on_two": 150,
+    "test_bf16_zero3_two_ranks_resume_on_one": 90,
     "test_ranks_without_a_shared_disk_prune_their_own_and_agree_on_what_to_resume": 80,
     "test_sigterm_checkpoints_and_resume_falls_back_past_a_corrupt_checkpoint": 270,
     "test_resume_is_bitwise_exact_per_zero_stage": 245,
