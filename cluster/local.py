@@ -27,12 +27,6 @@ class LocalCluster:
     temp_dir: str
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ray_bin() -> str:
     # The `ray` next to this interpreter, so workers import the same environment.
     candidate = Path(sys.executable).with_name("ray")
@@ -44,21 +38,30 @@ def auth_env() -> dict[str, str]:
     return {**os.environ, "RAY_AUTH_MODE": "token"}
 
 
-def _node_ports() -> list[str]:
+def _free_ports(n: int) -> list[int]:
+    """`n` different free ports: each socket stays bound until all are chosen (one at a time, the system
+    may hand out a port just released again: seen as `ray start` refusing one port for two components)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+
+
+NODE_PORT_FLAGS = (
+    "--dashboard-agent-listen-port",
+    "--dashboard-agent-grpc-port",
+    "--runtime-env-agent-port",
+    "--metrics-export-port",
+    "--ray-client-server-port",
+)
+
+
+def _node_ports(ports: list[int] | None = None) -> list[str]:
     """Free ports for a node's agents: their fixed defaults (e.g. 52365) collide when two Ray
     clusters share a machine, and the second cluster's job agent then never comes up."""
-    return [
-        "--dashboard-agent-listen-port",
-        str(_free_port()),
-        "--dashboard-agent-grpc-port",
-        str(_free_port()),
-        "--runtime-env-agent-port",
-        str(_free_port()),
-        "--metrics-export-port",
-        str(_free_port()),
-        "--ray-client-server-port",
-        str(_free_port()),
-    ]
+    ports = ports or _free_ports(len(NODE_PORT_FLAGS))
+    return [part for flag, port in zip(NODE_PORT_FLAGS, ports) for part in (flag, str(port))]
 
 
 def ensure_token() -> None:
@@ -77,7 +80,7 @@ def ensure_token() -> None:
 
 def start_head(temp_dir: str, num_cpus: int = 4, include_dashboard: bool = True) -> LocalCluster:
     ensure_token()
-    port, dash = _free_port(), _free_port()
+    port, dash, *agents = _free_ports(2 + len(NODE_PORT_FLAGS))
     cmd = [
         _ray_bin(),
         "start",
@@ -97,7 +100,7 @@ def start_head(temp_dir: str, num_cpus: int = 4, include_dashboard: bool = True)
         "--dashboard-port",
         str(dash),
         "--disable-usage-stats",
-        *_node_ports(),
+        *_node_ports(agents),
     ]
     _start(cmd, temp_dir)
     return LocalCluster(f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}", temp_dir)

@@ -392,7 +392,9 @@ class DebugConfig(_Section):
     )
     resume_optimizer: bool = Field(True, description="False resumes weights only (a negative control).")
     step_delay_s: float = Field(
-        0.0, ge=0.0, description="Sleep after every step: a tiny run lasts long enough for a test to kill a node."
+        0.0,
+        ge=0.0,
+        description="Sleep after every step: a tiny run lasts long enough for a test to kill a node.",
     )
 
 

@@ -32,11 +32,16 @@ loads its own partition from there (`to_universal`, `resume`).
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import hashlib
+import io
 import json
 import logging
+import os
 import random
 import shutil
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -243,12 +248,6 @@ def to_universal(tag_dir: Path) -> Path | None:
         return out
     if not any(tag_dir.glob("*optim_states.pt")):
         return None
-    import argparse
-    import contextlib
-    import io
-    import os
-    import socket
-
     from deepspeed.checkpoint import ds_to_universal
 
     # Every node converts its own copy; on a shared disk they race to one folder: each writes its own and
