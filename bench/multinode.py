@@ -13,6 +13,10 @@ credentials are in the environment. What each rank does, `--repeats` times (medi
   download, verify the hashes, load into the engine;
 - stall_fraction: save_s / (every_steps x step_s), the share of wall time a stage saving every
   `--every-steps` steps (100 by default) spends in saves, which block training on every rank.
+Then one rank alone (`torchrun --nproc-per-node 1`, a node lost for good) resumes the 2-rank checkpoint:
+- reshard_resume_s: the local folder deleted again, `checkpoint.resume` on 1 rank: download the whole tag,
+  convert it to a universal checkpoint (`ds_to_universal`), load its partition; against resume_s, the
+  same-world-size resume of the same run (reshard_over_resume).
 """
 
 from __future__ import annotations
@@ -70,6 +74,17 @@ def worker(args: argparse.Namespace) -> None:
     y = torch.randint(0, 1000, (args.batch,))
     store = Store(args.store)
     ckpt_dir = Path(args.work) / "checkpoints"
+    if args.reshard:  # one rank resumes what two saved
+        times = []
+        for _ in range(args.repeats):
+            shutil.rmtree(ckpt_dir, ignore_errors=True)  # a new machine: only the bucket holds it
+            t = time.perf_counter()
+            restored = checkpoint.resume(engine, ckpt_dir, ctx.rank, ctx.world_size, store=store)
+            times.append(time.perf_counter() - t)
+            assert restored is not None and restored.saved_by == 2, restored
+        Path(args.worker_out).write_text(json.dumps({"reshard_resume_s": times}))
+        shutdown_distributed()
+        return
     steps, local_saves, saves, resumes, nbytes = [], [], [], [], 0
     for r in range(args.repeats):
         dist.barrier()
@@ -129,6 +144,7 @@ def main() -> None:
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     p.add_argument("--work", help=argparse.SUPPRESS)
     p.add_argument("--model", default="vit_b16", help=argparse.SUPPRESS)
+    p.add_argument("--reshard", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.quick:
         args.model, args.img_size = "vit_debug", 32
@@ -155,10 +171,12 @@ def main() -> None:
                 __file__, "--worker-out", out, "--work", work, "--store", args.store, "--model", args.model,
                 "--img-size", str(args.img_size), "--batch", str(args.batch), "--repeats", str(args.repeats),
             ]  # fmt: skip
-            subprocess.run(
-                cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL
-            )
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
             raw = json.loads(Path(out).read_text())
+            one = [a if a != "2" or cmd[i - 1] != "--nproc-per-node" else "1" for i, a in enumerate(cmd)]
+            subprocess.run([*one, "--reshard"], check=True, env=env, stdout=subprocess.DEVNULL)
+            raw.update(json.loads(Path(out).read_text()))
     finally:
         if server is not None:
             server.stop()
@@ -186,7 +204,9 @@ def main() -> None:
         "save_MB_per_s": raw["checkpoint_bytes"] / save / 1e6,
         "every_steps": args.every_steps,
         "stall_fraction": save / (args.every_steps * step),
-        "runs": {k: raw[k] for k in ("step_s", "local_save_s", "save_s", "resume_s")},
+        "median_reshard_resume_s": statistics.median(raw["reshard_resume_s"]),
+        "reshard_over_resume": statistics.median(raw["reshard_resume_s"]) / resume,
+        "runs": {k: raw[k] for k in ("step_s", "local_save_s", "save_s", "resume_s", "reshard_resume_s")},
     }
     text = json.dumps(result, indent=2)
     print(text)

@@ -33,9 +33,8 @@ LONG_TESTS = {
     "test_a_killed_node_recovers_with_the_weights_of_an_uninterrupted_run": 420,  # ray_b: with retries
     "test_segmentation_stages_run_as_ray_stages": 600,  # ray_c: with the thin run and the elastic stage
     "test_two_ranks_resume_on_one_per_zero_stage": 250,
-    "test_one_rank_resumes_on_two_per_zero_stage": 250,
+    "test_one_rank_resumes_on_two_per_zero_stage_in_bf16": 250,
     "test_a_stage_saved_by_two_nodes_goes_on_on_one_and_back_on_two": 150,
-    "test_bf16_zero3_two_ranks_resume_on_one": 90,
     "test_ranks_without_a_shared_disk_prune_their_own_and_agree_on_what_to_resume": 80,
     "test_sigterm_checkpoints_and_resume_falls_back_past_a_corrupt_checkpoint": 270,
     "test_resume_is_bitwise_exact_per_zero_stage": 245,

@@ -90,11 +90,13 @@ def check(out: Path, stage: int, ranks_after: int, accum_after: int) -> None:
     assert sorted(loss) == list(range(1, 9))
     assert all(math.isfinite(v) for v in loss.values())
     # Per-step losses of this tiny run swing by 15% with the batch; over the 4 steps after the switch the
-    # mean stays with the uninterrupted run's (a reshard that broke the weights would not).
-    straight = dict(history(root / "straight"))
-    mean = sum(loss[s] for s in range(5, 9)) / 4
-    expected = sum(straight[s] for s in range(5, 9)) / 4
-    assert abs(mean - expected) < 0.15 * expected, (mean, expected)
+    # mean stays with the uninterrupted run's (a reshard that broke the weights would not). One stage per
+    # test runs the uninterrupted run (the weights check above is the exact one).
+    if (root / "straight").is_dir():
+        straight = dict(history(root / "straight"))
+        mean = sum(loss[s] for s in range(5, 9)) / 4
+        expected = sum(straight[s] for s in range(5, 9)) / 4
+        assert abs(mean - expected) < 0.15 * expected, (mean, expected)
 
 
 def copy_stopped(out: Path, stages=STAGES) -> None:
@@ -114,23 +116,15 @@ def test_two_ranks_resume_on_one_per_zero_stage(smoke_dataset, tmp_path):
 
 
 @pytest.mark.timeout(1800)
-def test_one_rank_resumes_on_two_per_zero_stage(smoke_dataset, tmp_path):
-    save = ["save", str(tmp_path), str(smoke_dataset), *map(str, STAGES)]
-    torchrun("tests/scripts/world_size.py", *save, "deepspeed.grad_accum=2", nproc=1)
+def test_one_rank_resumes_on_two_per_zero_stage_in_bf16(smoke_dataset, tmp_path):
+    """The other way, in the GPU recipe's precision (bf16 weights; fp32 master copies and moments)."""
+    args = [str(tmp_path), str(smoke_dataset), *map(str, (3, 0, 1, 2)), "deepspeed.precision=bf16"]
+    torchrun("tests/scripts/world_size.py", "save", *args, "deepspeed.grad_accum=2", nproc=1)
     copy_stopped(tmp_path)
-    torchrun("tests/scripts/world_size.py", "resume", str(tmp_path), str(smoke_dataset), *map(str, STAGES))
+    torchrun("tests/scripts/world_size.py", "resume", *args)
+    assert (tmp_path / "zero3/straight").is_dir()
     for stage in STAGES:
         check(tmp_path, stage, ranks_after=2, accum_after=1)
-
-
-@pytest.mark.timeout(1800)
-def test_bf16_zero3_two_ranks_resume_on_one(smoke_dataset, tmp_path):
-    """The GPU recipe's precision (bf16 weights, fp32 master copies and moments): resharded the same."""
-    args = [str(tmp_path), str(smoke_dataset), "3", "deepspeed.precision=bf16"]
-    torchrun("tests/scripts/world_size.py", "save", *args)
-    copy_stopped(tmp_path, (3,))
-    torchrun("tests/scripts/world_size.py", "resume", *args, nproc=1)
-    check(tmp_path, 3, ranks_after=1, accum_after=2)
 
 
 def test_a_global_batch_the_new_world_cannot_make_names_the_numbers():

@@ -3,7 +3,8 @@
     torchrun --nproc-per-node 2 tests/scripts/world_size.py save OUT DATA STAGES...    # straight, and stop at 4
     torchrun --nproc-per-node 1 tests/scripts/world_size.py resume OUT DATA STAGES... [KEY=VALUE...]  # reshard at 4, go on to 8
 
-`save` runs OUT/zeroS/straight (8 steps) and OUT/zeroS/switch (stopped at step 4). `resume` resumes
+`save` runs OUT/zeroS/switch (stopped at step 4), and for the first stage given OUT/zeroS/straight (8 steps
+uninterrupted: the loss the switched run is compared with). `resume` resumes
 OUT/zeroS/at4 (the test's copy of the stopped run) with optim.steps=4: it loads the resharded step 4 and
 saves and exports it at once, on this world size; then it resumes OUT/zeroS/switch to step 8.
 """
@@ -40,7 +41,8 @@ def main() -> None:
     extra = [a for a in rest if not a.isdigit()]  # overrides for every run
     for stage in stages:
         if mode == "save":
-            run(out, data, stage, "straight", *extra)
+            if stage == stages[0]:
+                run(out, data, stage, "straight", *extra)
             run(out, data, stage, "switch", "debug.stop_at_step=4", *extra)
             continue
         run(out, data, stage, "at4", "optim.steps=4", *extra)
