@@ -154,7 +154,10 @@ def mark_finished(cfg: StageConfig, record: dict) -> None:
         cfg.run_path / DONE, record
     )  # its presence marks the stage finished: never half written
     if cfg.checkpoint.uri:
-        Store(cfg.checkpoint.uri).write_text(DONE, json.dumps(record, indent=1))
+        try:
+            Store(cfg.checkpoint.uri).write_text(DONE, json.dumps(record, indent=1))
+        except Exception as exc:  # the stage did finish: a resubmission re-saves it at worst
+            print(f"[{cfg.name}] could not record the finish in {cfg.checkpoint.uri}: {exc}", file=sys.stderr)
 
 
 def _stop_places(cfg: StageConfig) -> tuple[Path, Store | None]:

@@ -517,6 +517,20 @@ class StageConfig(_Section):
             raise ValueError(
                 f"optim.warmup_steps ({self.optim.warmup_steps}) exceeds optim.steps ({self.optim.steps})"
             )
+        if self.cluster.elastic and self.kind == "train":
+            # Ray may run the stage on any size in the range; each must make the global batch
+            # micro-batch x grad_accum x MAX with a whole grad_accum.
+            low, high = self.cluster.num_workers
+            per_rank = self.deepspeed.grad_accum * high
+            bad = [w for w in range(low, high + 1) if per_rank % w]
+            if bad:
+                fits = [w for w in range(low, high + 1) if per_rank % w == 0]
+                raise ValueError(
+                    f"cluster.num_workers [{low}, {high}]: the global batch ({self.data.batch_size} x grad_accum "
+                    f"{self.deepspeed.grad_accum} x {high}) cannot be kept on {', '.join(map(str, bad))} workers "
+                    f"(grad_accum x {high} = {per_rank} is not a multiple of it); Ray may start the stage on any "
+                    f"size in the range, so narrow it (sizes that fit: {fits}) or raise deepspeed.grad_accum"
+                )
         if self.kind == "eval":
             if self.model.init_from is None:
                 raise ValueError("kind: eval needs model.init_from (an export folder or an earlier stage)")

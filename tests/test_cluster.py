@@ -121,17 +121,22 @@ def _train_across_nodes(ray_cluster, run_dir: Path, data: Path, uri: str, db: Pa
 
 
 def _kill_node_mid_stage(cmd: list[str], stored: Store, kill) -> str:
-    """Run `cmd`, kill the second node once the stage has a checkpoint at step 4 or later in the bucket,
-    and return the command's output once it ends (it must succeed)."""
+    """Run `cmd`, kill the second node once the stage has a checkpoint at step 4 or later in the bucket
+    (and before its last), and return the command's output once it ends: it must succeed, and have resumed
+    after the kill."""
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 900
+    deadline, killed_at = time.time() + 900, None
     while time.time() < deadline and proc.poll() is None:
-        if stored.exists("latest") and stored.read_text("latest") >= "step_00000004":
+        latest = stored.read_text("latest") if stored.exists("latest") else ""
+        if latest >= "step_00000004":
             kill()
+            killed_at = latest
             break
         time.sleep(0.5)
     out = proc.communicate(timeout=max(60, deadline - time.time()))[0]
     assert proc.returncode == 0, out[-5000:]
+    assert killed_at is not None and killed_at < "step_00000016", (killed_at, out[-3000:])
+    assert "(resumed from step_" in out, out[-5000:]  # the stage started again after the kill
     return out
 
 

@@ -114,11 +114,22 @@ def test_one_rank_to_two_continues_the_epoch_on_both(info):
     epoch0 = samples(merged(straight), 0)
     before = run(info, one, 0, 3)  # 6 of epoch 0's 40 batches
     two = continue_deal(one, 3, (2, WORKERS, BATCH, 1), info, SEED)
-    after = run(info, two, 3, 20)
+    after = run(info, two, 3, 20)  # 20 batches per rank
     per_rank = [Counter(b["epoch"] for b in rank) for rank in after]
     assert per_rank == [Counter({0: 17, 1: 3}), Counter({0: 17, 1: 3})]  # 34 carried batches, split evenly
     assert samples(merged(before, after), 0).keys() == epoch0.keys()
     samples(merged(after), 1)  # no sample twice in the new epoch either
+
+    # Back to one rank at step 21 (18 batches per rank since the switch, 9 per worker): the first workers
+    # (9 carried batches) stand at the start of epoch 1, the second ones (8) are one batch into it. So
+    # epoch 1 has begun: its rest on every slot is carried too, and epoch 0 and epoch 1 stay whole.
+    assert [sum(p.take for p in slot) // BATCH for slot in two.carry] == [9, 8, 9, 8]
+    one_again = continue_deal(two, 21, (1, WORKERS, BATCH, 2), info, SEED)
+    assert one_again.first_epoch == 2
+    mid = [rank[:18] for rank in after]
+    later = run(info, one_again, 21, 40)
+    assert samples(merged(before, mid, later), 0).keys() == epoch0.keys()
+    assert len(samples(merged(mid, later), 1)) == 320
 
 
 def test_a_new_micro_batch_leaves_out_less_than_one_batch(info):

@@ -133,17 +133,19 @@ def test_a_global_batch_the_new_world_cannot_make_names_the_numbers():
     assert keep_global_batch(cfg, saved, 2) is cfg
     assert keep_global_batch(cfg, saved, 1).deepspeed.grad_accum == 2
     with pytest.raises(
-        ValueError, match=r"global batch 32 on 2 ranks; on 3 ranks .* 3 x 16 does not divide 32"
+        ValueError,
+        match=r"global batch 32 on 2 ranks; on 3 ranks .* 3 x 16 does not divide 32. Resume on a "
+        r"number of ranks that does \(1, 2\)$",
     ):
         keep_global_batch(cfg, saved, 3)
 
 
 def test_an_elastic_stage_keeps_the_global_batch_of_its_largest_size():
-    cfg = load_config("configs/experiments/smoke.yaml", ["cluster.num_workers=[1,4]"])  # micro 16, accum 1
-    assert keep_global_batch(cfg, None, 4).deepspeed.grad_accum == 1  # 16 x 1 x 4 = 64
-    assert keep_global_batch(cfg, None, 1).deepspeed.grad_accum == 4
-    saved = {"step": 8, "world_size": 1, "global_batch": 64, "grad_accum": 4}
-    assert keep_global_batch(cfg, saved, 1).deepspeed.grad_accum == 4  # same size again: still 64
-    assert keep_global_batch(cfg, saved, 2).deepspeed.grad_accum == 2
-    with pytest.raises(ValueError, match=r"on 3 ranks .* 3 x 16 does not divide 64"):
-        keep_global_batch(cfg, None, 3)
+    smoke = "configs/experiments/smoke.yaml"  # micro-batch 16
+    with pytest.raises(ValueError, match=r"cannot be kept on 3 workers .*sizes that fit: \[1, 2, 4\]"):
+        load_config(smoke, ["cluster.num_workers=[1,4]"])  # 16 x 1 x 4 = 64: not on 3 workers
+    cfg = load_config(smoke, ["cluster.num_workers=[1,4]", "deepspeed.grad_accum=3"])  # 192 on every size
+    assert [keep_global_batch(cfg, None, w).deepspeed.grad_accum for w in (1, 2, 3, 4)] == [12, 6, 4, 3]
+    saved = {"step": 8, "world_size": 1, "global_batch": 192, "grad_accum": 12}
+    assert keep_global_batch(cfg, saved, 1).deepspeed.grad_accum == 12  # the same size again: still 192
+    assert keep_global_batch(cfg, saved, 2).deepspeed.grad_accum == 6

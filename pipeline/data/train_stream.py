@@ -203,18 +203,20 @@ class ShardStream(IterableDataset):
             )
 
     def resampled_rounds(self, worker: int, num_workers: int) -> Iterator[_Round]:
-        """Resampled mode: rounds of shards drawn with replacement from (seed, rank, worker, deal's base
-        step). numpy pads a key with zeros, so base step 0 keys the streams of before there were deals."""
+        """Resampled mode: rounds of shards drawn with replacement from (seed, rank, worker), and the deal's
+        base step after a re-deal (a stream resumed on another shape draws afresh). Base step 0 adds nothing
+        to the keys: the streams of before there were deals."""
         urls, base = self.info.urls, self.deal.base_step
-        draw = seeds.rng(seeds.DRAW, self.seed, self.rank, worker, base)
+        extra = (base,) if base else ()
+        draw = seeds.rng(seeds.DRAW, self.seed, self.rank, worker, *extra)
         per_round = max(1, len(urls) // (self.world_size * num_workers))
         for k in itertools.count():
             mine = [urls[i] for i in draw.integers(len(urls), size=per_round)]
             yield _Round(
                 k,
                 mine,
-                (seeds.ROUND_SHUFFLE, self.seed, self.rank, worker, k, base),
-                (seeds.ROUND_AUGMENT, self.seed, self.rank, worker, k, base),
+                (seeds.ROUND_SHUFFLE, self.seed, self.rank, worker, k, *extra),
+                (seeds.ROUND_AUGMENT, self.seed, self.rank, worker, k, *extra),
                 self._count(mine),
                 None,
             )

@@ -264,8 +264,13 @@ def to_universal(tag_dir: Path) -> Path | None:
         inject_missing_state=True,
     )
     chatter = io.StringIO()
-    with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
-        ds_to_universal.main(args)
+    try:
+        with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
+            ds_to_universal.main(args)
+    except BaseException:
+        log.error("%s: ds_to_universal failed; its output:\n%s", tag_dir, chatter.getvalue()[-4000:])
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     try:
         os.replace(partial, out)  # whole or absent
     except OSError:
@@ -338,9 +343,12 @@ def newest_record(ckpt_dir: Path, store: Store | None, rank: int, group=None) ->
                 found = (tag, record)
                 break
     if rank == 0 and store is not None:
-        stored = _remote_tags(store, 0, None, broadcast=False)
-        if stored and (found is None or stored[-1] > found[0]):
-            found = (stored[-1], json.loads(store.read_text(f"{stored[-1]}/{COMPLETE}")))
+        try:  # raised here, the other ranks would wait in the gather below
+            stored = _remote_tags(store, 0, None, broadcast=False)
+            if stored and (found is None or stored[-1] > found[0]):
+                found = (stored[-1], json.loads(store.read_text(f"{stored[-1]}/{COMPLETE}")))
+        except Exception as exc:
+            log.warning("%s: could not read the newest stored checkpoint's record: %r", store, exc)
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, found, group=group)
     best = max((f for f in every if f is not None), default=None, key=lambda f: f[0])
@@ -399,6 +407,14 @@ def resume(
                 )
             continue
         saved_by = (_record(tag_dir) or {}).get("world_size", world_size)
+        counts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(counts, saved_by, group=group)
+        if len(set(counts)) > 1:  # a node holds another save of this tag: no rank may take another load path
+            if rank == 0:
+                log.warning(
+                    "skipping checkpoint %s: its nodes' copies were saved by %s ranks", tag_dir, counts
+                )
+            continue
         universal, failure = None, None
         if saved_by != world_size and local_rank == 0:
             try:

@@ -174,10 +174,16 @@ def keep_global_batch(cfg: StageConfig, saved: dict | None, world_size: int) -> 
         return cfg
     accum, rest = divmod(target, micro * world_size)
     if rest or accum == 0:
+        fits = [w for w in range(1, target + 1) if target % (micro * w) == 0]
+        advice = (
+            f"Resume on a number of ranks that does ({', '.join(map(str, fits[:8]))}), or set data.batch_size to "
+            f"a divisor of {target // world_size}"
+            if target % world_size == 0
+            else f"Resume on a number of ranks that does ({', '.join(map(str, fits[:8]))})"
+        )
         raise ConfigError(
             f"{source}; on {world_size} ranks a micro-batch of {micro} (data.batch_size) cannot make it: "
-            f"{world_size} x {micro} does not divide {target}. Run on a number of ranks that does, or set "
-            f"data.batch_size to a divisor of {target // world_size if target % world_size == 0 else target}"
+            f"{world_size} x {micro} does not divide {target}. {advice}"
         )
     if accum != cfg.deepspeed.grad_accum:
         log.warning(
