@@ -349,7 +349,9 @@ def mlflow_server(tmp_path_factory):
     log = open(root / "server.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
+    # A hang guard: under the suite's full load (five workers on two cores) the server has taken 3.5 minutes
+    # to import and migrate its store before it listened.
+    deadline = time.time() + 900
     while True:
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
