@@ -7,12 +7,15 @@ read, and a manifest whose image paths are s3:// URIs.
 """
 
 import io
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import boto3  # the test's own view of the bucket (installed with moto)
 import numpy as np
@@ -253,6 +256,72 @@ def test_manifest_of_s3_images_shards_them_and_names_the_missing(s3, tmp_path, m
     assert f"{len(m.shards) - 1} shards already complete, kept" in again.stdout
     m = read_manifest(out)
     assert m.totals == {"train": 41} and m.num_errors == 1
+
+
+def _object_requests(records, prefix: str) -> list[str]:
+    """The methods of the requests the S3 server logged for objects under /ckpt/PREFIX/."""
+    lines = [r.getMessage() for r in records if r.name == "werkzeug"]
+    found = (re.search(r'"(?:\x1b\[[\d;]*m)*([A-Z]+) (\S+)', line) for line in lines)  # colour codes first
+    return [m[1] for m in found if m and m[2].startswith(f"/ckpt/{prefix}/")]
+
+
+def test_s3_inputs_are_read_with_one_get_each_and_through_pyarrow_where_obstore_cannot(
+    s3, tmp_path, monkeypatch, caplog
+):
+    """s3:// inputs go through obstore (one GET per object; pyarrow sends a HEAD before each GET); a bucket
+    obstore cannot read as pyarrow would (credentials in a shared profile, or a failing read that pyarrow
+    then makes) is read through pyarrow, the same bytes."""
+    from data_prep import storage
+
+    store = Store(s3("one-get"))
+    names = ["plain.jpg", "with space.jpg", "ü#1.jpg"]
+    for name in names:
+        store.write_bytes(f"img/{name}", name.encode())
+    endpoint = s3("x").split("endpoint_override=")[1].split("&")[0]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://{endpoint}")
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.aws profile of the machine's
+    monkeypatch.setattr(storage, "_FAST", {})
+    plain = [f"s3://ckpt/one-get/img/{quote(n)}" for n in names]
+
+    def read_all(uris: list[str]) -> tuple[list[bytes], list[str]]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="werkzeug"):
+            got = [storage.read_object(u) for u in uris]
+        return got, _object_requests(caplog.records, "one-get")
+
+    # the endpoint from the environment, or in the URI's query: one GET per object, nothing else
+    for uris in (plain, [s3(f"one-get/img/{quote(n)}") for n in names]):
+        got, requests = read_all(uris)
+        assert got == [n.encode() for n in names] and requests == ["GET"] * 3
+    with pytest.raises(FileNotFoundError):
+        storage.read_object("s3://ckpt/one-get/img/missing.jpg")
+
+    # credentials in a shared profile file: object_store does not read those, so pyarrow does (HEAD + GET)
+    (tmp_path / "credentials").write_text(
+        "[default]\naws_access_key_id = testing\naws_secret_access_key = testing\n"
+    )
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    monkeypatch.setattr(storage, "_FAST", {})
+    got, requests = read_all(plain)
+    assert got == [n.encode() for n in names] and requests == ["HEAD", "GET"] * 3
+
+    # no credentials obstore can find (its instance-metadata endpoint refuses): the first read fails there,
+    # pyarrow makes it, and the bucket is read through pyarrow from then on, with one warning
+    monkeypatch.delenv("AWS_SHARED_CREDENTIALS_FILE")
+    monkeypatch.setenv("AWS_METADATA_ENDPOINT", "http://127.0.0.1:1")  # object_store's IMDS address
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # the AWS SDK's
+    monkeypatch.setattr(storage, "_FAST", {})
+    storage._bucket_filesystem.cache_clear()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="data_prep.storage"):
+        got = [storage.read_object(u) for u in plain]
+    assert got == [n.encode() for n in names]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "data_prep.storage"]
+    assert len(warnings) == 1 and "s3://ckpt: obstore could not read one-get/img/plain.jpg" in warnings[0]
+    assert "reading this bucket through pyarrow instead" in warnings[0]
+    storage._bucket_filesystem.cache_clear()
 
 
 def test_any_fsspec_filesystem_holds_a_dataset():
