@@ -23,7 +23,7 @@ server's CPU time and vitpipe's own (the command's process tree); `images_per_vi
 the two sides without the server.
 Sizes: 256x192 for speed (about 2.5 ms to draw and encode an image, so per-shard work dominates as
 with real JPEGs; at tiny sizes the fixed start-up and index costs would), 64x48 for memory. The whole
-bench takes 3-5 minutes on 2 cores; each run records the 1-minute load average before and after, since
+bench takes about 8 minutes on 2 cores; each run records the 1-minute load average before and after, since
 other work on a shared machine skews the speed and the speed-up.
 """
 

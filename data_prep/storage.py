@@ -123,14 +123,14 @@ def read_object(uri: str) -> bytes:
             return bytes(obstore.get(store, key).bytes())
         except FileNotFoundError:
             raise
-        except Exception as exc:  # noqa: BLE001 - obstore's own error types: retried below with pyarrow
+        except Exception as exc:  # obstore's own error types: retried below with pyarrow
             data = _pyarrow_read(uri)  # pyarrow's error, the one users know, where it fails too
             _FAST[(os.getpid(), base)] = None
             log.warning(
                 "%s: obstore could not read %s (%s); reading this bucket through pyarrow instead",
                 base.split("?", 1)[0],
                 key,
-                str(exc).splitlines()[0][:300],
+                (str(exc).splitlines() or [type(exc).__name__])[0][:300],
             )
             return data
     return _pyarrow_read(uri)
@@ -217,7 +217,10 @@ def _obstore_for(fs: pafs.FileSystem, bucket: str):
         except OSError:
             return None  # pyarrow names the file when it fails
     retry = {"max_retries": 5, "retry_timeout": timedelta(seconds=60)}
-    return S3Store(bucket, config=config, client_options=client, retry_config=retry)
+    try:
+        return S3Store(bucket, config=config, client_options=client, retry_config=retry)
+    except Exception:  # a setting obstore rejects (a bucket name it will not take): pyarrow reads
+        return None
 
 
 # Bytes per read when copying a file to or from a store (pyarrow's default: 1 MiB). A checkpoint shard is
