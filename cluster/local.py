@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,39 +81,63 @@ def ensure_token() -> None:
 
 def start_head(temp_dir: str, num_cpus: int = 4, include_dashboard: bool = True) -> LocalCluster:
     ensure_token()
-    port, dash, *agents = _free_ports(2 + len(NODE_PORT_FLAGS))
-    cmd = [
-        _ray_bin(),
-        "start",
-        "--head",
-        "--node-ip-address",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--num-cpus",
-        str(num_cpus),
-        "--temp-dir",
-        temp_dir,
-        "--include-dashboard",
-        str(include_dashboard).lower(),
-        "--dashboard-host",
-        "127.0.0.1",
-        "--dashboard-port",
-        str(dash),
-        "--disable-usage-stats",
-        *_node_ports(agents),
-    ]
-    _start(cmd, temp_dir)
-    return LocalCluster(f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}", temp_dir)
+    ports: list[int] = []
+
+    def command() -> list[str]:
+        ports[:] = _free_ports(2 + len(NODE_PORT_FLAGS))
+        port, dash, *agents = ports
+        return [
+            _ray_bin(),
+            "start",
+            "--head",
+            "--node-ip-address",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--num-cpus",
+            str(num_cpus),
+            "--temp-dir",
+            temp_dir,
+            "--include-dashboard",
+            str(include_dashboard).lower(),
+            "--dashboard-host",
+            "127.0.0.1",
+            "--dashboard-port",
+            str(dash),
+            "--disable-usage-stats",
+            *_node_ports(agents),
+        ]
+
+    _start(command, temp_dir)
+    return LocalCluster(f"127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}", temp_dir)
 
 
-def _start(cmd: list[str], temp_dir: str) -> None:
-    """Run a `ray start`; when it fails, stop what it had started (a GCS server, a log monitor) before
-    raising: left running, they hold ports and make the next start on this machine time out."""
-    proc = subprocess.run(cmd, env=auth_env(), capture_output=True, text=True)
-    if proc.returncode != 0:
+# `ray start` waits a fixed 30 s for its raylet to register with the GCS; a machine busy enough passes that
+# (seen on CI: "The current node timed out during startup"), and the same start a moment later succeeds.
+START_ATTEMPTS = 3
+
+
+def _start(command: Callable[[], list[str]], temp_dir: str) -> None:
+    """Run the `ray start` that `command()` makes (fresh ports on each call). When it fails, stop what it
+    had started (a GCS server, a log monitor): left running, they hold ports and make the next start on
+    this machine time out. A start that timed out waiting for its raylet is made again, up to
+    START_ATTEMPTS times; any other failure raises at once."""
+    for attempt in range(1, START_ATTEMPTS + 1):
+        cmd = command()
+        proc = subprocess.run(cmd, env=auth_env(), capture_output=True, text=True)
+        if proc.returncode == 0:
+            return
         _terminate(f"{os.path.abspath(temp_dir)}/")
-        raise RuntimeError(f"`{' '.join(cmd)}` failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+        timed_out = "timed out during startup" in proc.stdout + proc.stderr
+        if not timed_out or attempt == START_ATTEMPTS:
+            tried = f" (attempt {attempt} of {START_ATTEMPTS})" if timed_out else ""
+            raise RuntimeError(
+                f"`{' '.join(cmd)}` failed ({proc.returncode}){tried}:\n{proc.stdout}\n{proc.stderr}"
+            )
+        print(
+            f"ray start timed out waiting for its raylet (attempt {attempt}); starting it again",
+            file=sys.stderr,
+        )
 
 
 def _terminate(marker: str, at_once: bool = False) -> None:
@@ -161,6 +186,15 @@ def add_worker_node(
     """
     if node_ip is None:
         node_ip = "127.0.0.2" if sys.platform.startswith("linux") else "127.0.0.1"
+    if own_disk is not None:
+        Path(own_disk[0]).mkdir(parents=True, exist_ok=True)
+        Path(own_disk[1]).mkdir(parents=True, exist_ok=True)
+    _start(lambda: _worker_command(cluster, num_cpus, name, own_disk, node_ip), f"{cluster.temp_dir}-{name}")
+
+
+def _worker_command(
+    cluster: LocalCluster, num_cpus: int, name: str, own_disk: tuple[str, str] | None, node_ip: str
+) -> list[str]:
     cmd = [
         _ray_bin(),
         "start",
@@ -177,14 +211,12 @@ def add_worker_node(
         "--disable-usage-stats",
         *_node_ports(),
     ]
-    if own_disk is not None:
-        path, folder = own_disk
-        Path(path).mkdir(parents=True, exist_ok=True)
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        # `ray start` returns once its daemons run; they keep the namespace (and the mount) alive.
-        mount = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
-        cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount, "sh", folder, path, *cmd]
-    _start(cmd, f"{cluster.temp_dir}-{name}")
+    if own_disk is None:
+        return cmd
+    path, folder = own_disk
+    # `ray start` returns once its daemons run; they keep the namespace (and the mount) alive.
+    mount = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount, "sh", folder, path, *cmd]
 
 
 def kill_node(cluster: LocalCluster, name: str = "worker1") -> None:

@@ -287,6 +287,34 @@ def test_a_failed_local_start_leaves_no_process_behind(monkeypatch):
     assert not left, f"processes of the failed start still running: {left}"
 
 
+def test_a_start_that_times_out_waiting_for_its_raylet_is_made_again(tmp_path):
+    """`ray start` waits a fixed 30 s for its raylet to register with the GCS; a busy machine passes that
+    (seen on CI) and the same start a moment later succeeds. Stand-ins for `ray start` (processes that fail
+    with Ray's message, or another) count the attempts: a timeout is tried again, up to 3 times in all;
+    any other failure raises at once."""
+    timeout = "Exception: The current node timed out during startup. This could happen because ..."
+    calls: list[list[str]] = []
+
+    def command(failures: int, message: str):
+        def make() -> list[str]:
+            code = f"import sys; print({message!r}); sys.exit(1)" if len(calls) < failures else "pass"
+            calls.append([sys.executable, "-c", code])
+            return calls[-1]
+
+        return make
+
+    local._start(command(2, timeout), str(tmp_path))
+    assert len(calls) == 3
+    calls.clear()
+    with pytest.raises(RuntimeError, match="attempt 3 of 3"):
+        local._start(command(5, timeout), str(tmp_path))
+    assert len(calls) == 3
+    calls.clear()
+    with pytest.raises(RuntimeError, match="already occupied") as err:
+        local._start(command(5, "port 6379 is already occupied"), str(tmp_path))
+    assert len(calls) == 1 and "attempt" not in str(err.value)
+
+
 def test_segmentation_stages_run_as_ray_stages(ray_cluster, tmp_path):
     """A SETR stage and its segmentation eval stage as Ray Train runs of an experiment (2 workers, ZeRO-2),
     the eval reading the train stage's export by stage name."""

@@ -13,28 +13,13 @@ import sys
 from pathlib import Path
 
 import torch.distributed as dist
+from smoke_run import smoke_run
 
-from pipeline.config import load_config
 from pipeline.train.engine import shutdown_distributed
-from pipeline.train.loop import train
-
-SMOKE = Path(__file__).parents[2] / "configs/experiments/smoke.yaml"
 
 
 def run(out: Path, data: str, name: str, *extra: str) -> None:
-    overrides = [
-        f"run_dir={out}/{name}",
-        f"data.train={data}",
-        "cluster.launcher=local",
-        "deepspeed.zero_stage=2",
-        "optim.steps=8",
-        "optim.warmup_steps=2",
-        "data.num_workers=1",
-        "tracking.system_metrics=false",
-        f"tracking.uri=sqlite:///{out}/mlflow.db",
-        *extra,
-    ]
-    train(load_config(SMOKE, overrides))
+    smoke_run(out / name, data, out, "deepspeed.zero_stage=2", *extra)
 
 
 def main() -> None:

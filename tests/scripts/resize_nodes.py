@@ -9,29 +9,15 @@ RUN_ROOT/job: ZeRO-3, 8 steps, checkpoints to CHECKPOINT_URI; the overrides say 
 import sys
 from pathlib import Path
 
-from pipeline.config import load_config
-from pipeline.train.engine import shutdown_distributed
-from pipeline.train.loop import train
+from smoke_run import smoke_run
 
-SMOKE = Path(__file__).parents[2] / "configs/experiments/smoke.yaml"
+from pipeline.train.engine import shutdown_distributed
 
 
 def main() -> None:
     root, data, out, uri, extra = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), sys.argv[4], sys.argv[5:]
-    overrides = [
-        f"run_dir={root}/job",
-        f"data.train={data}",
-        "cluster.launcher=local",
-        "deepspeed.zero_stage=3",
-        "optim.steps=8",
-        "optim.warmup_steps=2",
-        "data.num_workers=1",
-        "tracking.system_metrics=false",
-        f"tracking.uri=sqlite:///{out}/mlflow.db",  # OUT_DIR is shared; rank 0 alone writes it
-        f"checkpoint.uri={uri}",
-        *extra,
-    ]
-    train(load_config(SMOKE, overrides))
+    # OUT_DIR (MLflow) is shared; rank 0 alone writes it
+    smoke_run(root / "job", data, out, "deepspeed.zero_stage=3", f"checkpoint.uri={uri}", *extra)
     shutdown_distributed()
 
 

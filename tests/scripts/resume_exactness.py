@@ -9,28 +9,14 @@ Writes nothing itself: each run leaves its MLflow store and exported weights und
 import sys
 from pathlib import Path
 
-from pipeline.config import load_config
-from pipeline.train.engine import shutdown_distributed
-from pipeline.train.loop import train
+from smoke_run import smoke_run
 
-SMOKE = Path(__file__).parents[2] / "configs/experiments/smoke.yaml"
+from pipeline.train.engine import shutdown_distributed
 
 
 def run(out: Path, data: str, stage: int, name: str, *extra: str) -> None:
-    overrides = [
-        f"run_dir={out}/zero{stage}/{name}",
-        f"data.train={data}",
-        "cluster.launcher=local",
-        f"deepspeed.zero_stage={stage}",
-        "optim.steps=8",
-        "optim.warmup_steps=2",
-        "data.num_workers=1",
-        "tracking.system_metrics=false",
-        "model.overrides.drop_path_rate=0.1",
-        f"tracking.uri=sqlite:///{out}/mlflow.db",
-        *extra,
-    ]
-    train(load_config(SMOKE, overrides))
+    overrides = [f"deepspeed.zero_stage={stage}", "model.overrides.drop_path_rate=0.1", *extra]
+    smoke_run(out / f"zero{stage}" / name, data, out, *overrides)
 
 
 def main() -> None:

@@ -15,30 +15,15 @@ import sys
 from pathlib import Path
 
 import torch.distributed as dist
+from smoke_run import smoke_run
 
-from pipeline.config import load_config
 from pipeline.train.engine import shutdown_distributed
-from pipeline.train.loop import train
-
-SMOKE = Path(__file__).parents[2] / "configs/experiments/smoke.yaml"
 
 
 def run(root: Path, data: str, out: Path, name: str, *extra: str):
-    overrides = [
-        f"run_dir={root}/{name}",
-        f"data.train={data}",
-        "cluster.launcher=local",
-        "deepspeed.zero_stage=3",
-        "optim.steps=8",
-        "optim.warmup_steps=2",
-        "checkpoint.every_steps=2",
-        "checkpoint.keep_last=2",
-        "data.num_workers=1",
-        "tracking.system_metrics=false",
-        f"tracking.uri=sqlite:///{out}/mlflow.db",  # rank 0 only writes it; OUT_DIR is shared
-        *extra,
-    ]
-    return train(load_config(SMOKE, overrides))
+    # MLflow in OUT_DIR: rank 0 only writes it; OUT_DIR is shared
+    overrides = ["deepspeed.zero_stage=3", "checkpoint.every_steps=2", "checkpoint.keep_last=2", *extra]
+    return smoke_run(root / name, data, out, *overrides)
 
 
 def tags(root: Path, name: str) -> list[str]:
