@@ -58,6 +58,7 @@ bench: setup
 	$(PY) bench/zero_memory.py --out bench/results/zero_memory.json
 	$(PY) bench/loader.py --out bench/results/loader.json
 	$(PY) bench/shard.py --out bench/results/shard.json
+	$(PY) bench/s3_read.py --out bench/results/s3_read.json
 	$(PY) bench/multinode.py --out bench/results/multinode.json
 
 clean:
