@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -126,7 +127,11 @@ def read_object(uri: str) -> bytes:
             raise
         except Exception as exc:  # obstore's own error types: retried below with pyarrow
             data = _pyarrow_read(uri)  # pyarrow's error, the one users know, where it fails too
-            _FAST[(os.getpid(), base)] = None
+            with _FAST_LOCK:  # a worker's read-ahead threads may all have failed at once: one warning
+                first = _FAST.get((os.getpid(), base)) is not None
+                _FAST[(os.getpid(), base)] = None
+            if not first:
+                return data
             log.warning(
                 "%s: obstore could not read %s (%s); reading this bucket through pyarrow instead",
                 base.split("?", 1)[0],
@@ -146,6 +151,7 @@ def _pyarrow_read(uri: str) -> bytes:
 # (process, s3://bucket?query) -> its obstore store, or None where the bucket is read through pyarrow. Keyed by
 # process: a store's runtime and connections must not cross a fork.
 _FAST: dict[tuple[int, str], object] = {}
+_FAST_LOCK = threading.Lock()
 
 # pyarrow S3 options obstore is not given: they must be at pyarrow's defaults for obstore to read the bucket.
 _S3_DEFAULTS = {

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import quote
 
@@ -307,19 +308,22 @@ def test_s3_inputs_are_read_with_one_get_each_and_through_pyarrow_where_obstore_
     got, requests = read_all(plain)
     assert got == [n.encode() for n in names] and requests == ["HEAD", "GET"] * 3
 
-    # no credentials obstore can find (its instance-metadata endpoint refuses): the first read fails there,
-    # pyarrow makes it, and the bucket is read through pyarrow from then on, with one warning
+    # no credentials obstore can find (its instance-metadata endpoint refuses): the first reads (three at
+    # once, as a worker's read-ahead makes them) fail there, pyarrow makes them, and the bucket is read
+    # through pyarrow from then on, with one warning
     monkeypatch.delenv("AWS_SHARED_CREDENTIALS_FILE")
     monkeypatch.setenv("AWS_METADATA_ENDPOINT", "http://127.0.0.1:1")  # object_store's IMDS address
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # the AWS SDK's
     monkeypatch.setattr(storage, "_FAST", {})
     storage._bucket_filesystem.cache_clear()
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="data_prep.storage"):
-        got = [storage.read_object(u) for u in plain]
+    with caplog.at_level(logging.WARNING, logger="data_prep.storage"), ThreadPoolExecutor(3) as pool:
+        got = list(pool.map(storage.read_object, plain))
+        assert storage._FAST == {(os.getpid(), "s3://ckpt"): None}
+        assert storage.read_object(plain[0]) == got[0]
     assert got == [n.encode() for n in names]
     warnings = [r.getMessage() for r in caplog.records if r.name == "data_prep.storage"]
-    assert len(warnings) == 1 and "s3://ckpt: obstore could not read one-get/img/plain.jpg" in warnings[0]
+    assert len(warnings) == 1 and "s3://ckpt: obstore could not read one-get/img/" in warnings[0]
     assert "reading this bucket through pyarrow instead" in warnings[0]
     storage._bucket_filesystem.cache_clear()
 
