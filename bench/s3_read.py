@@ -17,7 +17,6 @@ import json
 import os
 import platform
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,28 +26,16 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import boto3  # installed with moto (the dev extra)
 import psutil  # installed with ray[default]
+import pyarrow.fs as pafs
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from shard import _free_port, _pin, _wait_for_port  # noqa: E402  (bench/shard.py, beside this file)
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_for_port(port: int, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no server on 127.0.0.1:{port} after {timeout_s:.0f} s") from None
-            time.sleep(0.2)
+from data_prep.storage import Store, read_object  # noqa: E402
 
 
 def main() -> None:
@@ -78,8 +65,7 @@ def main() -> None:
     try:
         _wait_for_port(port)
         if len(cores) > 1:
-            for tid in os.listdir(f"/proc/{server.pid}/task"):
-                os.sched_setaffinity(int(tid), {cores[-1]})
+            _pin(server.pid, {cores[-1]})
         result = run(args, server.pid, log_path)
     finally:
         server.terminate()
@@ -95,11 +81,6 @@ def main() -> None:
 
 
 def run(args, server_pid: int, log_path: Path) -> dict:
-    import boto3  # installed with moto (the dev extra)
-    import pyarrow.fs as pafs
-
-    from data_prep.storage import Store, read_object
-
     Store("s3://bench?allow_bucket_creation=true").fs.create_dir("bench")
     client = boto3.client("s3")
     data = os.urandom(args.size)

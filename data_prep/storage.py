@@ -110,9 +110,8 @@ def read_object(uri: str) -> bytes:
     sends a HEAD before each GET, which doubles the requests the store serves, and spends twice the client
     CPU (bench/s3_read.py, 60 kB objects against a local S3 server: 0.48 against 1.1 ms client and 2.5
     against 4.5 ms server CPU per object; boto3 sends one GET but spends 1.6 ms and holds the GIL while it
-    parses, time a shard worker's decoding waits). A
-    corpus of hundreds of millions of images is read once per sharding, so this is the request count
-    that matters. obstore is given the settings pyarrow resolved for the bucket (endpoint, region,
+    parses, time a shard worker's decoding waits). A corpus of hundreds of millions of images is read
+    once per sharding, so this is the request count that matters. obstore is given the settings pyarrow resolved for the bucket (endpoint, region,
     addressing) and takes credentials from the environment as pyarrow does (variables, web identity,
     container and instance roles). Buckets obstore cannot read as pyarrow would are read through pyarrow:
     credentials in a shared profile (AWS_PROFILE, ~/.aws/...), which object_store does not read; an
