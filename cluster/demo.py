@@ -8,7 +8,7 @@
    evaluation on digits, and the same fine-tuning from scratch, on 2 Ray Train workers with ZeRO-2;
 4. it prints the `vitpipe compare` table, the figures, and the command that opens the MLflow UI.
 
-Re-running reuses the shards and the finished stages. `--size small` is the same journey, shorter
+Re-running reuses the shards and the finished stages (with every stage finished, no Ray cluster starts). `--size small` is the same journey, shorter
 (CI runs it as a test).
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,8 @@ import time
 from pathlib import Path
 
 from cluster import local
+from cluster.run import finished
+from pipeline.config import load_experiment
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/experiments/demo.yaml"
@@ -73,6 +76,35 @@ def shard(data: Path, size: dict) -> None:
         )
 
 
+def all_finished(overrides: list[str]) -> bool:
+    """Whether every stage of the demo experiment has finished (its DONE.json): then a re-run needs no Ray
+    cluster, only the comparison. Says so for each stage."""
+    exp = load_experiment(ROOT / CONFIG, overrides)
+    done = {name: finished(cfg) for name, cfg in exp.stages}
+    if not all(done.values()):
+        return False
+    for name, where in done.items():
+        print(f"[{exp.name}] stage {name}: already finished ({where})", flush=True)
+    print(f"every stage has finished: no Ray cluster needed (delete {exp.run_path} to run them again)")
+    return True
+
+
+def submit(overrides: list[str]) -> None:
+    """Start a local Ray cluster, run the experiment on it as a Ray job, stop the cluster."""
+    temp_dir = tempfile.mkdtemp(prefix="vpdemo", dir="/tmp")  # short: Ray's socket paths have a length limit
+    print(f"starting a local Ray cluster (head + 1 node, token auth) in {temp_dir}", flush=True)
+    cluster = local.start_head(temp_dir, num_cpus=2)
+    try:
+        local.add_worker_node(cluster, num_cpus=2)
+        env = {"RAY_AUTH_MODE": "token", "RAY_ADDRESS": cluster.dashboard_url}
+        vitpipe("submit", CONFIG, *overrides, "--follow", "--python", sys.executable, env=env)
+    finally:
+        local.stop(cluster)
+    # The session's logs, sockets and packages; kept (and named above) when the job failed.
+    shutil.rmtree(temp_dir, ignore_errors=True)
+    shutil.rmtree(f"{temp_dir}-worker1", ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         return _demo(argv)
@@ -108,15 +140,8 @@ def _demo(argv: list[str] | None) -> int:
             for s in ("finetune", "finetune_scratch")
         ),
     ]
-    temp_dir = tempfile.mkdtemp(prefix="vpdemo", dir="/tmp")  # short: Ray's socket paths have a length limit
-    print(f"starting a local Ray cluster (head + 1 node, token auth) in {temp_dir}", flush=True)
-    cluster = local.start_head(temp_dir, num_cpus=2)
-    try:
-        local.add_worker_node(cluster, num_cpus=2)
-        env = {"RAY_AUTH_MODE": "token", "RAY_ADDRESS": cluster.dashboard_url}
-        vitpipe("submit", CONFIG, *overrides, "--follow", "--python", sys.executable, env=env)
-    finally:
-        local.stop(cluster)
+    if not all_finished(overrides):
+        submit(overrides)
     uri = f"sqlite:///{run_dir / 'mlflow.db'}"
     print(f"\nfinished in {time.time() - t0:.0f} s\n", flush=True)
     vitpipe(

@@ -124,7 +124,7 @@ def _start(command: Callable[[], list[str]], temp_dir: str) -> None:
     START_ATTEMPTS times; any other failure raises at once."""
     for attempt in range(1, START_ATTEMPTS + 1):
         cmd = command()
-        proc = subprocess.run(cmd, env=auth_env(), capture_output=True, text=True)
+        proc = subprocess.run(cmd, env=_node_env(cmd), capture_output=True, text=True)
         if proc.returncode == 0:
             return
         _terminate(f"{os.path.abspath(temp_dir)}/")
@@ -140,9 +140,27 @@ def _start(command: Callable[[], list[str]], temp_dir: str) -> None:
         )
 
 
+# A cluster's GCS server and autoscaler monitor outlive SIGTERM (measured: still running 15 s after it); the
+# rest exit within a second. The GCS holds nothing that outlives the cluster, so they are killed after this.
+STOP_GRACE_S = 5
+
+
+def _node_env(cmd: list[str]) -> dict[str, str]:
+    """The environment of a node's `ray start` (its daemons and every worker inherit it): token auth, and
+    RAY_ADDRESS naming this cluster. Ray Train's placement-group cleaner queries the state API without an
+    address; on a machine with several local clusters (the test suite) the lookup found them all and its
+    thread died ("Found multiple active Ray instances"), leaving a dead controller's resources held."""
+    env = auth_env()
+    if "--address" in cmd:  # a node joining the head
+        env["RAY_ADDRESS"] = cmd[cmd.index("--address") + 1]
+    elif "--port" in cmd:  # the head: its GCS port
+        env["RAY_ADDRESS"] = f"127.0.0.1:{cmd[cmd.index('--port') + 1]}"
+    return env
+
+
 def _terminate(marker: str, at_once: bool = False) -> None:
-    """Terminate (then kill, after 15 s; `at_once`: kill now) every other process whose command line
-    contains `marker`, and every descendant of one: a raylet's agents retitle themselves
+    """Terminate (then kill, after STOP_GRACE_S; `at_once`: kill now) every other process whose command
+    line contains `marker`, and every descendant of one: a raylet's agents retitle themselves
     (`ray::DashboardAgent`), so their command lines name no session, and killed after their raylet they
     lived on as orphans."""
     found: dict[int, psutil.Process] = {}
@@ -157,7 +175,7 @@ def _terminate(marker: str, at_once: bool = False) -> None:
     for p in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill() if at_once else p.terminate()
-    _, alive = psutil.wait_procs(procs, timeout=15)
+    _, alive = psutil.wait_procs(procs, timeout=STOP_GRACE_S)
     for p in alive:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()

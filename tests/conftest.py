@@ -39,6 +39,11 @@ from pipeline.tracking import RUN_ID_FILE, read_run_id
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("RAY_AUTH_MODE", "token")
+# Ray starts its worker processes (Ray Train workers and controllers, job drivers' tasks) at niceness 15,
+# so that a node's own daemons stay responsive. On the suite's two shared cores that handed every Ray
+# test's workers a few percent of a core against the nice-0 torchrun tests: on CI the Ray tests ran 3-6x
+# slower than the rest and timed out. The local clusters' nodes (and everything they start) inherit this.
+os.environ.setdefault("RAY_worker_niceness", "0")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # `make test` runs several xdist workers on two cores: a second intra-op thread per process only
     # contends (measured: 8% more CPU for the same model test on an idle machine, more under load).
@@ -347,7 +352,9 @@ def mlflow_server(tmp_path_factory):
         "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
     ]  # fmt: skip
     log = open(root / "server.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # No job runner (its huey consumer processes cost 40 s of CPU in a suite run): nothing here submits jobs.
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     url = f"http://127.0.0.1:{port}"
     # A hang guard: under the suite's full load (five workers on two cores) the server has taken 3.5 minutes
     # to import and migrate its store before it listened.

@@ -15,6 +15,7 @@ PROGRESS_LINE = re.compile(r"RayTrainWorker pid=\d+.* step \d+/\d+ loss")
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # a hang guard only: under the suite's full load the first run has taken 26 min
 def test_reduced_demo_runs_end_to_end(tmp_path):
     run_dir, data = tmp_path / "runs", tmp_path / "data"
     cmd = [
@@ -28,7 +29,7 @@ def test_reduced_demo_runs_end_to_end(tmp_path):
         "--data-dir",
         str(data),
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     for stage in ("pretrain", "finetune", "eval_finetune", "finetune_scratch", "eval_scratch"):
@@ -49,7 +50,8 @@ def test_reduced_demo_runs_end_to_end(tmp_path):
         runs["demo"].info.status == "FINISHED"
         and 0.0 <= runs["eval_finetune"].data.metrics["eval/top1"] <= 1.0
     )
-    # Re-running reuses the shards and the finished stages.
-    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    # Re-running reuses the shards and the finished stages, and starts no Ray cluster for them.
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
     assert "$ vitpipe shard" not in again.stdout and again.stdout.count("already finished") == 5
+    assert "starting a local Ray cluster" not in again.stdout and "eval/top1" in again.stdout
