@@ -310,7 +310,7 @@ def test_gpu_bench_dry_run_runs_every_case_on_cpu(tmp_path):
         [sys.executable, str(bench), "--dry-run", "--no-compile", "--out", str(out)],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=1200,  # a hang guard: 255 s under the suite's full load
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
