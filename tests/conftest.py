@@ -136,7 +136,7 @@ def counted_macs(model: torch.nn.Module, img_size: int, device: str = "cpu") -> 
 def vitpipe_shard(*args, env=None, expect=0) -> subprocess.CompletedProcess:
     """`vitpipe shard ARGS` from the repository root; asserts its exit status and that nothing crashed."""
     cmd = [sys.executable, "-m", "vitpipe", "shard", *map(str, args)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == expect, f"{cmd} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     assert "Traceback" not in proc.stderr, proc.stderr
     return proc
@@ -242,7 +242,7 @@ class _RayClusters:
         cls.wait_for_cpus(4)
 
     @classmethod
-    def wait_for_cpus(cls, cpus: int, timeout: float = 120) -> None:
+    def wait_for_cpus(cls, cpus: int, timeout: float = 600) -> None:
         """Until `cpus` CPUs of the cluster are free (a revived node registered; a finished run's actors
         gone): an elastic stage starts on as many workers as fit at that moment."""
         from cluster import local
