@@ -8,8 +8,8 @@
    evaluation on digits, and the same fine-tuning from scratch, on 2 Ray Train workers with ZeRO-2;
 4. it prints the `vitpipe compare` table, the figures, and the command that opens the MLflow UI.
 
-Re-running reuses the shards and the finished stages (with every stage finished, no Ray cluster starts). `--size small` is the same journey, shorter
-(CI runs it as a test).
+Re-running reuses the shards and the finished stages (with every stage finished, no Ray cluster starts).
+`--size small` is the same journey, shorter (CI runs it as a test).
 """
 
 from __future__ import annotations

@@ -83,10 +83,10 @@ def start_head(temp_dir: str, num_cpus: int = 4, include_dashboard: bool = True)
     ensure_token()
     ports: list[int] = []
 
-    def command() -> list[str]:
+    def command() -> tuple[list[str], str]:
         ports[:] = _free_ports(2 + len(NODE_PORT_FLAGS))
         port, dash, *agents = ports
-        return [
+        cmd = [
             _ray_bin(),
             "start",
             "--head",
@@ -107,6 +107,7 @@ def start_head(temp_dir: str, num_cpus: int = 4, include_dashboard: bool = True)
             "--disable-usage-stats",
             *_node_ports(agents),
         ]
+        return cmd, f"127.0.0.1:{port}"
 
     _start(command, temp_dir)
     return LocalCluster(f"127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}", temp_dir)
@@ -117,14 +118,20 @@ def start_head(temp_dir: str, num_cpus: int = 4, include_dashboard: bool = True)
 START_ATTEMPTS = 3
 
 
-def _start(command: Callable[[], list[str]], temp_dir: str) -> None:
-    """Run the `ray start` that `command()` makes (fresh ports on each call). When it fails, stop what it
-    had started (a GCS server, a log monitor): left running, they hold ports and make the next start on
-    this machine time out. A start that timed out waiting for its raylet is made again, up to
-    START_ATTEMPTS times; any other failure raises at once."""
+def _start(command: Callable[[], tuple[list[str], str | None]], temp_dir: str) -> None:
+    """Run the `ray start` that `command()` makes (fresh ports on each call), with the address of the
+    cluster it starts or joins. When it fails, stop what it had started (a GCS server, a log monitor):
+    left running, they hold ports and make the next start on this machine time out. A start that timed
+    out waiting for its raylet is made again, up to START_ATTEMPTS times; any other failure raises at once.
+
+    The node's daemons and every worker inherit RAY_ADDRESS naming its cluster: Ray Train's placement-group
+    cleaner queries the state API without an address, and on a machine with several local clusters (the
+    test suite) that lookup found them all and its thread died ("Found multiple active Ray instances"),
+    leaving a dead controller's resources held."""
     for attempt in range(1, START_ATTEMPTS + 1):
-        cmd = command()
-        proc = subprocess.run(cmd, env=_node_env(cmd), capture_output=True, text=True)
+        cmd, address = command()
+        env = {**auth_env(), **({"RAY_ADDRESS": address} if address else {})}
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode == 0:
             return
         _terminate(f"{os.path.abspath(temp_dir)}/")
@@ -143,19 +150,6 @@ def _start(command: Callable[[], list[str]], temp_dir: str) -> None:
 # A cluster's GCS server and autoscaler monitor outlive SIGTERM (measured: still running 15 s after it); the
 # rest exit within a second. The GCS holds nothing that outlives the cluster, so they are killed after this.
 STOP_GRACE_S = 5
-
-
-def _node_env(cmd: list[str]) -> dict[str, str]:
-    """The environment of a node's `ray start` (its daemons and every worker inherit it): token auth, and
-    RAY_ADDRESS naming this cluster. Ray Train's placement-group cleaner queries the state API without an
-    address; on a machine with several local clusters (the test suite) the lookup found them all and its
-    thread died ("Found multiple active Ray instances"), leaving a dead controller's resources held."""
-    env = auth_env()
-    if "--address" in cmd:  # a node joining the head
-        env["RAY_ADDRESS"] = cmd[cmd.index("--address") + 1]
-    elif "--port" in cmd:  # the head: its GCS port
-        env["RAY_ADDRESS"] = f"127.0.0.1:{cmd[cmd.index('--port') + 1]}"
-    return env
 
 
 def _terminate(marker: str, at_once: bool = False) -> None:
@@ -207,7 +201,10 @@ def add_worker_node(
     if own_disk is not None:
         Path(own_disk[0]).mkdir(parents=True, exist_ok=True)
         Path(own_disk[1]).mkdir(parents=True, exist_ok=True)
-    _start(lambda: _worker_command(cluster, num_cpus, name, own_disk, node_ip), f"{cluster.temp_dir}-{name}")
+    _start(
+        lambda: (_worker_command(cluster, num_cpus, name, own_disk, node_ip), cluster.address),
+        f"{cluster.temp_dir}-{name}",
+    )
 
 
 def _worker_command(

@@ -265,6 +265,22 @@ def test_local_cluster_is_two_nodes_bound_to_loopback(ray_cluster):
     assert "127.0.0.2" in nodes.stdout, nodes.stdout  # the second node's own address: its own local ranks
 
 
+def test_workers_on_every_node_run_at_nice_0_and_know_their_cluster(ray_cluster):
+    """A task on each node reports its niceness and RAY_ADDRESS: 0 (the suite's setting; Ray's own 15
+    starved the Ray tests against the torchrun ones) and this cluster's address (cluster.local gives it to
+    each node, so that Ray's address-less state-API lookups find this cluster among the suite's several)."""
+    probe = (
+        "import json, os, ray\n"
+        "from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy as On\n"
+        f"ray.init(address='{ray_cluster.address}', logging_level='ERROR')\n"
+        "f = ray.remote(num_cpus=0)(lambda: (os.nice(0), os.environ.get('RAY_ADDRESS')))\n"
+        "nodes = [n['NodeID'] for n in ray.nodes() if n['Alive']]\n"
+        "print(json.dumps(ray.get([f.options(scheduling_strategy=On(n, soft=False)).remote() for n in nodes])))"
+    )
+    out = cli(sys.executable, "-c", probe, env=local.auth_env()).stdout.strip().splitlines()[-1]
+    assert json.loads(out) == [[0, ray_cluster.address]] * 2, out
+
+
 def test_a_failed_local_start_leaves_no_process_behind(monkeypatch):
     """`ray start --head` that fails after starting its GCS server (here: the dashboard port is taken)
     raises, and stops what it had started: a GCS server left running makes the next start time out."""
@@ -304,10 +320,10 @@ def test_a_start_that_times_out_waiting_for_its_raylet_is_made_again(tmp_path):
     calls: list[list[str]] = []
 
     def command(failures: int, message: str):
-        def make() -> list[str]:
+        def make() -> tuple[list[str], None]:
             code = f"import sys; print({message!r}); sys.exit(1)" if len(calls) < failures else "pass"
             calls.append([sys.executable, "-c", code])
-            return calls[-1]
+            return calls[-1], None
 
         return make
 
