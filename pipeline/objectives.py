@@ -58,7 +58,7 @@ def _unwrap(model: nn.Module) -> nn.Module:
 
 
 def _pixels(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
-    """uint8 batch -> normalised floats in the model's dtype (bf16/fp16 engines cast the weights)."""
+    """uint8 batch -> normalised floats in the model's dtype (a bf16 engine casts the weights)."""
     return normalize(images).to(next(_unwrap(model).parameters()).dtype)
 
 

@@ -52,7 +52,7 @@ CASES = {
         "deepspeed.zero_stage=2",
         "model.name=mpp_vit_debug",
         "objective.name=masked_patch_prediction",
-        "deepspeed.activation_checkpointing=true",
+        "model.grad_checkpointing=1.0",
     ],
 }
 

@@ -45,7 +45,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pipeline.models.layers import DropPath, MaskedImageModelling, Mlp, classify, init_linear_and_norm
+from pipeline.models.layers import (
+    BatchNorm2d,
+    DropPath,
+    MaskedImageModelling,
+    Mlp,
+    checkpoints_block,
+    classify,
+    init_linear_and_norm,
+)
 from pipeline.models.macs import conv_macs, conv_out, heads_macs, reject_mask_ratio
 from pipeline.models.registry import register
 
@@ -80,7 +88,7 @@ class ConvProjection(nn.Module):
     def __init__(self, dim: int, kernel: int, stride: int):
         super().__init__()
         self.conv = nn.Conv2d(dim, dim, kernel, stride=stride, padding=kernel // 2, bias=False, groups=dim)
-        self.bn = nn.BatchNorm2d(dim)
+        self.bn = BatchNorm2d(dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.bn(self.conv(x)).flatten(2).transpose(1, 2)  # [B, C, H, W] -> [B, H'W', C]
@@ -183,7 +191,7 @@ class CvTStage(nn.Module):
         stride_kv: int = 2,
         drop_path_rate: float = 0.0,
         num_prefix_tokens: int = 0,
-        grad_checkpointing: bool = False,
+        grad_checkpointing: float = 0.0,
     ):
         super().__init__()
         self.dim, self.num_prefix_tokens, self.grad_checkpointing = dim, num_prefix_tokens, grad_checkpointing
@@ -206,8 +214,8 @@ class CvTStage(nn.Module):
         prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.dist_token) if t is not None]
         if prefix:
             x = torch.cat([*prefix, x], dim=1)  # [B, P + h*w, C]
-        for blk in self.blocks:
-            if self.grad_checkpointing and self.training:
+        for i, blk in enumerate(self.blocks):
+            if self.training and checkpoints_block(self.grad_checkpointing, i, len(self.blocks)):
                 # Recompute activations in backward. The recompute updates BatchNorm's running stats a
                 # second time, as for any BN model under checkpointing: they move about twice as fast.
                 x = checkpoint(blk, x, h, w, use_reentrant=False)
@@ -235,7 +243,7 @@ class ConvolutionalVisionTransformer(MaskedImageModelling, nn.Module):
         distilled: bool = False,
         head_bias_init: float = 0.0,
         drop_path_rate: float = 0.1,
-        grad_checkpointing: bool = False,
+        grad_checkpointing: float = 0.0,
         mask_token: bool = False,
     ):
         super().__init__()

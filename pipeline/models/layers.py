@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,17 +24,72 @@ def init_linear_and_norm(module: nn.Module, norms: tuple[type[nn.Module], ...] =
             nn.init.zeros_(m.bias)
 
 
-def set_grad_checkpointing(model: nn.Module, enable: bool = True) -> int:
-    """Turn activation checkpointing on (or off) in every part of `model` that offers it; returns how many.
+class _StatsPrecisionBatchNorm:
+    """BatchNorm that keeps its statistics in fp32 under a bf16 or fp16 engine.
+
+    DeepSpeed casts parameters to the training precision but leaves buffers as they were (fp32), so the
+    weight and bias would be bf16 beside fp32 running statistics, a mix torch's batch norm refuses. Here
+    the weight and bias join the statistics' dtype for the call: torch's mixed kernel (half input,
+    fp32 weight and statistics, half output) runs, and the running statistics keep fp32's precision.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        stats = self.running_mean
+        if stats is None or self.weight is None or self.weight.dtype == stats.dtype:
+            return super().forward(x)
+        self._check_input_dim(x)
+        momentum = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:  # cumulative moving average
+                momentum = 1.0 / float(self.num_batches_tracked)
+        return F.batch_norm(
+            x,
+            stats,
+            self.running_var,
+            self.weight.to(stats.dtype),
+            self.bias.to(stats.dtype),
+            self.training,
+            momentum,
+            self.eps,
+        )
+
+
+class BatchNorm1d(_StatsPrecisionBatchNorm, nn.BatchNorm1d):
+    """nn.BatchNorm1d with fp32 statistics under half-precision weights (see _StatsPrecisionBatchNorm)."""
+
+
+class BatchNorm2d(_StatsPrecisionBatchNorm, nn.BatchNorm2d):
+    """nn.BatchNorm2d with fp32 statistics under half-precision weights (see _StatsPrecisionBatchNorm)."""
+
+
+def set_grad_checkpointing(model: nn.Module, fraction: float = 1.0) -> int:
+    """Recompute the activations of `fraction` of the blocks in backward (1 or True: all, 0 or False: none),
+    in every part of `model` that offers it; returns how many parts.
 
     Each family marks the modules whose blocks it can recompute in backward with a `grad_checkpointing`
     attribute (a ViT, an MAE decoder, each CvT stage, a Swin, TNT or LeViT); wrappers (MAE, masked patch
-    prediction, SimMIM) hold such modules, so the flag is set wherever it appears, not only on the top.
+    prediction, SimMIM) hold such modules, so the policy is set wherever it appears, not only on the top.
+    Each part applies the fraction to its own blocks (`checkpoints_block`).
     """
+    if not 0.0 <= float(fraction) <= 1.0:
+        raise ValueError(f"the fraction of blocks to checkpoint must be in [0, 1], got {fraction}")
     found = [m for m in model.modules() if hasattr(m, "grad_checkpointing")]
     for m in found:
-        m.grad_checkpointing = enable
+        m.grad_checkpointing = float(fraction)
     return len(found)
+
+
+def checkpoints_block(fraction: float, index: int, count: int) -> bool:
+    """Whether block `index` of `count` recomputes its activations in backward when `fraction` of them do.
+
+    floor(fraction x count) blocks, spread evenly (block i when floor((i + 1) f) > floor(i f)): at 0.5
+    every second block, at 0.25 every fourth, at 1 all. Spread rather than the first or last ones, so the
+    activations that stay in memory and the recompute are spread over the whole forward (torchtitan's
+    selective layer checkpointing takes every k-th block the same way).
+    """
+    f = float(fraction)
+    return f > 0 and math.floor((index + 1) * f + 1e-9) > math.floor(index * f + 1e-9)
 
 
 def drop_patches(x: torch.Tensor, keep: int) -> torch.Tensor:

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pipeline.models.layers import DropPath, classify
+from pipeline.models.layers import BatchNorm1d, BatchNorm2d, DropPath, checkpoints_block, classify
 from pipeline.models.macs import reject_mask_ratio
 from pipeline.models.registry import register
 
@@ -70,7 +70,7 @@ class ConvNorm(nn.Module):
     def __init__(self, in_chs: int, out_chs: int, kernel_size: int = 3, stride: int = 2, padding: int = 1):
         super().__init__()
         self.linear = nn.Conv2d(in_chs, out_chs, kernel_size, stride, padding, bias=False)
-        self.bn = nn.BatchNorm2d(out_chs)
+        self.bn = BatchNorm2d(out_chs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.bn(self.linear(x))
@@ -96,7 +96,7 @@ class LinearNorm(nn.Module):
     def __init__(self, in_features: int, out_features: int, bn_weight_init: float = 1.0):
         super().__init__()
         self.linear = nn.Linear(in_features, out_features, bias=False)
-        self.bn = nn.BatchNorm1d(out_features)
+        self.bn = BatchNorm1d(out_features)
         nn.init.constant_(self.bn.weight, bn_weight_init)  # 0 on residual branches: blocks start as identity
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -119,7 +119,7 @@ class NormLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias_init: float = 0.0):
         super().__init__()
-        self.bn = nn.BatchNorm1d(in_features)
+        self.bn = BatchNorm1d(in_features)
         self.linear = nn.Linear(in_features, out_features)
         nn.init.zeros_(self.linear.weight)  # zero-initialised classifier, as vit.py
         nn.init.constant_(self.linear.bias, bias_init)
@@ -389,7 +389,7 @@ class Levit(nn.Module):
         distilled: bool = True,
         head_bias_init: float = 0.0,
         drop_path_rate: float = 0.0,
-        grad_checkpointing: bool = False,
+        grad_checkpointing: float = 0.0,
         mask_token: bool = False,
     ):
         super().__init__()
@@ -440,12 +440,12 @@ class Levit(nn.Module):
                 f"are tied to the grid; create the model with img_size={x.shape[-1]}"
             )
         x = self.stem(x).flatten(2).transpose(1, 2)  # [B, N, C]
-        for stage in self.stages:
-            for layer in stage.layers():
-                if self.grad_checkpointing and self.training:
-                    x = checkpoint(layer, x, use_reentrant=False)  # recompute activations in backward
-                else:
-                    x = layer(x)
+        layers = [layer for stage in self.stages for layer in stage.layers()]
+        for i, layer in enumerate(layers):
+            if self.training and checkpoints_block(self.grad_checkpointing, i, len(layers)):
+                x = checkpoint(layer, x, use_reentrant=False)  # recompute activations in backward
+            else:
+                x = layer(x)
         return x  # [B, N_final, num_features]
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False):

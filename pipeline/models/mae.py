@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pipeline.models.layers import Block
+from pipeline.models.layers import Block, checkpoints_block
 from pipeline.models.macs import kept_patches, linear_macs
 from pipeline.models.pos_embed import sincos_2d
 from pipeline.models.registry import register
@@ -106,7 +106,7 @@ class MaskedAutoencoderViT(nn.Module):
         qkv_bias: bool = True,
         drop_path_rate: float = 0.0,
         init_values: float | None = None,
-        grad_checkpointing: bool = False,
+        grad_checkpointing: float = 0.0,
         num_classes: int = 1000,
         head_bias_init: float = 0.0,
     ):
@@ -203,13 +203,10 @@ class MaskedAutoencoderViT(nn.Module):
         mask_tokens = self.mask_token.to(x.dtype).expand(B, ids_restore.shape[1] - n_visible, -1)
         x_ = torch.cat([x[:, 1:], mask_tokens], dim=1)  # [B, N, Dd] in shuffled order
         x_ = torch.gather(x_, 1, ids_restore[..., None].expand(-1, -1, Dd))  # unshuffle to patch order
-        x = torch.cat([x[:, :1], x_], dim=1) + self.decoder_pos_embed_fixed  # [B, 1+N, Dd]
-        for blk in self.decoder_blocks:
-            x = (
-                checkpoint(blk, x, use_reentrant=False)
-                if self.grad_checkpointing and self.training
-                else blk(x)
-            )
+        x = torch.cat([x[:, :1], x_], dim=1) + self.decoder_pos_embed_fixed.to(x.dtype)  # [B, 1+N, Dd]
+        for i, blk in enumerate(self.decoder_blocks):
+            ckpt = self.training and checkpoints_block(self.grad_checkpointing, i, len(self.decoder_blocks))
+            x = checkpoint(blk, x, use_reentrant=False) if ckpt else blk(x)
         x = self.decoder_pred(self.decoder_norm(x))  # [B, 1+N, p*p*C]
         return x[:, 1:]  # drop the class token
 

@@ -36,6 +36,7 @@ from pipeline.models.layers import (
     MaskedImageModelling,
     Mlp,
     PatchEmbed,
+    checkpoints_block,
     classify,
     init_linear_and_norm,
 )
@@ -246,9 +247,10 @@ class SwinStage(nn.Module):
         )
         self.downsample = PatchMerging(dim, resolution) if downsample else None
 
-    def forward(self, x: torch.Tensor, grad_checkpointing: bool = False) -> torch.Tensor:
-        for blk in self.blocks:
-            x = checkpoint(blk, x, use_reentrant=False) if grad_checkpointing else blk(x)
+    def forward(self, x: torch.Tensor, grad_checkpointing: float = 0.0) -> torch.Tensor:
+        for i, blk in enumerate(self.blocks):
+            ckpt = checkpoints_block(grad_checkpointing, i, len(self.blocks))
+            x = checkpoint(blk, x, use_reentrant=False) if ckpt else blk(x)
         return x if self.downsample is None else self.downsample(x)
 
 
@@ -272,7 +274,7 @@ class SwinTransformer(MaskedImageModelling, nn.Module):
         drop_path_rate: float = 0.1,
         distilled: bool = False,
         head_bias_init: float = 0.0,
-        grad_checkpointing: bool = False,
+        grad_checkpointing: float = 0.0,
         mask_token: bool = False,
     ):
         super().__init__()
@@ -341,7 +343,7 @@ class SwinTransformer(MaskedImageModelling, nn.Module):
 
     def forward_layers(self, x: torch.Tensor) -> torch.Tensor:
         """Patch tokens [B, N, C] -> normalised tokens of the last stage [B, N / 4^(S-1), num_features]."""
-        ckpt = self.grad_checkpointing and self.training  # recompute block activations in backward
+        ckpt = self.grad_checkpointing if self.training else 0.0  # the fraction of each stage's blocks
         for layer in self.layers:
             x = layer(x, ckpt)
         return self.norm(x)

@@ -33,7 +33,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pipeline.models.layers import Block, MaskedImageModelling, classify, init_linear_and_norm
+from pipeline.models.layers import (
+    Block,
+    MaskedImageModelling,
+    checkpoints_block,
+    classify,
+    init_linear_and_norm,
+)
 from pipeline.models.macs import conv_out, heads_macs, reject_mask_ratio
 from pipeline.models.registry import register
 
@@ -130,7 +136,7 @@ class TNT(MaskedImageModelling, nn.Module):
         distilled: bool = False,
         head_bias_init: float = 0.0,
         drop_path_rate: float = 0.1,
-        grad_checkpointing: bool = False,
+        grad_checkpointing: float = 0.0,
         mask_token: bool = False,
     ):
         super().__init__()
@@ -224,8 +230,8 @@ class TNT(MaskedImageModelling, nn.Module):
         return words, tokens + self.patch_pos
 
     def forward_blocks(self, words: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        for blk in self.blocks:
-            if self.grad_checkpointing and self.training:
+        for i, blk in enumerate(self.blocks):
+            if self.training and checkpoints_block(self.grad_checkpointing, i, len(self.blocks)):
                 words, tokens = checkpoint(blk, words, tokens, use_reentrant=False)
             else:
                 words, tokens = blk(words, tokens)

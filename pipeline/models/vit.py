@@ -16,7 +16,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pipeline.models.hybrid import HybridEmbed
-from pipeline.models.layers import Block, PatchEmbed, classify, drop_patches, init_linear_and_norm
+from pipeline.models.layers import (
+    Block,
+    PatchEmbed,
+    checkpoints_block,
+    classify,
+    drop_patches,
+    init_linear_and_norm,
+)
 from pipeline.models.macs import heads_macs, kept_patches
 from pipeline.models.pos_embed import POS_EMBED_KINDS, resample_abs_pos_embed, sincos_2d
 from pipeline.models.registry import register
@@ -57,7 +64,7 @@ class VisionTransformer(nn.Module):
         drop_path_rate: float = 0.0,
         init_values: float | None = None,
         head_bias_init: float = 0.0,
-        grad_checkpointing: bool = False,
+        grad_checkpointing: float = 0.0,
         patch_dropout: float = 0.0,
     ):
         super().__init__()
@@ -174,11 +181,12 @@ class VisionTransformer(nn.Module):
         """Images -> patch tokens with absolute position added [B, N, D] (no prefix tokens)."""
         x = self.patch_embed(x)
         pos = self.patch_pos_embed()
-        return x if pos is None else x + pos
+        # The sin-cos table is an fp32 buffer, which DeepSpeed does not cast: it joins x in x's dtype.
+        return x if pos is None else x + pos.to(x.dtype)
 
     def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
-        for blk in self.blocks:
-            if self.grad_checkpointing and self.training:
+        for i, blk in enumerate(self.blocks):
+            if self.training and checkpoints_block(self.grad_checkpointing, i, len(self.blocks)):
                 x = checkpoint(blk, x, use_reentrant=False)  # recompute activations in backward
             else:
                 x = blk(x)

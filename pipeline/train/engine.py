@@ -6,7 +6,7 @@ AdamW (`torch_adam`), since FusedAdam needs CUDA; on GPU torch's fused AdamW ker
 GPU defaults (`deepspeed_config`, `build_engine`):
 - precision bf16 (the config resolves `deepspeed.precision: null` to bf16 with `cluster.use_gpu`), and TF32
   for the matmuls and convolutions that stay fp32 (`deepspeed.tf32`);
-- gradients reduced across ranks in fp32 under bf16 and fp16 (`communication_data_type`): a bf16
+- gradients reduced across ranks in fp32 under bf16 (`communication_data_type`): a bf16
   all-reduce or reduce-scatter sums N ranks' gradients with 8 mantissa bits, the error torchtitan and
   FSDP's `reduce_dtype=float32` avoid; it doubles the reduction's bytes, which `overlap_comm` hides
   behind the backward pass (on for ZeRO 1-3);
@@ -127,7 +127,7 @@ def deepspeed_config(cfg: StageConfig, world_size: int, use_gpu: bool, num_param
         # On CUDA, ZeRO-1/2 then synchronize the device once per backward (DeepSpeed's epilogue, before it
         # frees the reduced buckets): the price of the overlap, worth it when the reduction crosses nodes.
         zero.update(overlap_comm=ds.overlap_comm, contiguous_gradients=True)
-    half = ds.precision in ("bf16", "fp16")
+    half = ds.precision == "bf16"  # fp16 is refused by the config
     return {
         "train_micro_batch_size_per_gpu": cfg.data.batch_size,
         # Gradients summed over ranks in fp32 (see the module docstring); the default is the model's dtype.
@@ -141,7 +141,6 @@ def deepspeed_config(cfg: StageConfig, world_size: int, use_gpu: bool, num_param
         # bf16 has fp32's exponent range: no loss scale, so no overflow to check. ZeRO-1/2 honour this
         # (one host read fewer per step); ZeRO-0's bf16 wrapper and ZeRO-3 check all the same.
         "bf16": {"enabled": ds.precision == "bf16", "check_grad_overflow": False},
-        "fp16": {"enabled": ds.precision == "fp16", "initial_scale_power": 16},
         "optimizer": {
             "type": "AdamW",
             "params": {
@@ -181,9 +180,9 @@ def build_engine(model: nn.Module, cfg: StageConfig, ctx: DistContext):
     if use_gpu:  # fp32 matmuls (and convolutions) on TF32 tensor cores, or exact fp32
         torch.set_float32_matmul_precision("high" if cfg.deepspeed.tf32 else "highest")
         torch.backends.cudnn.allow_tf32 = cfg.deepspeed.tf32
-    if cfg.deepspeed.activation_checkpointing and not set_grad_checkpointing(model):
+    if cfg.model.grad_checkpointing and not set_grad_checkpointing(model, cfg.model.grad_checkpointing):
         raise ValueError(
-            f"deepspeed.activation_checkpointing: {cfg.model.name} ({type(model).__name__}) has no block "
+            f"model.grad_checkpointing: {cfg.model.name} ({type(model).__name__}) has no block "
             "that can recompute its activations"
         )
     groups = param_groups(model, o.weight_decay, o.layer_decay)
@@ -216,14 +215,17 @@ def consolidated_state_dict(engine) -> dict[str, torch.Tensor] | None:
     Stages 1-3 hold the fp32 master weights partitioned across ranks: each parameter is assembled in
     memory by a collective over the ranks (DeepSpeed's `safe_get_full_fp32_param`), not read back from
     checkpoint files, which on a cluster lie on each rank's own node and not all on rank 0's. Stage 0
-    keeps full weights in the module (bf16 ones cast up).
+    keeps full weights in the module, and under bf16 fp32 master copies in DeepSpeed's wrapper, which are taken.
     """
     rank0 = dist.get_rank() == 0
     module = engine.module
     if engine.zero_optimization_stage() == 0:
         if not rank0:
             return None
-        return {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
+        masters = _stage0_fp32_masters(engine)
+        state = {k: masters.get(id(p), p) for k, p in module.named_parameters()}
+        state.update((k, v) for k, v in module.state_dict().items() if k not in state)
+        return {k: v.detach().float().cpu().clone() for k, v in state.items()}
     from deepspeed.utils import safe_get_full_fp32_param
 
     state: dict[str, torch.Tensor] = {}
@@ -240,3 +242,13 @@ def consolidated_state_dict(engine) -> dict[str, torch.Tensor] | None:
         if k not in state and v.numel() > 0:
             state[k] = v.detach().float().cpu().clone()
     return {k: v.contiguous() for k, v in state.items()}
+
+
+def _stage0_fp32_masters(engine) -> dict[int, torch.Tensor]:
+    """ZeRO-0 under bf16: id(module parameter) -> the fp32 master copy DeepSpeed's wrapper
+    (FP16_UnfusedOptimizer, `fp16_groups` beside `fp32_groups`) updates. The module's bf16 weights keep 8
+    mantissa bits: a LayerNorm weight of 1.0 stays 1.0 under updates below 1/512, so an export read from
+    them loses what the steps learnt. Empty in fp32, where the module's weights are the masters."""
+    opt = engine.optimizer
+    pairs = zip(getattr(opt, "fp16_groups", None) or [], getattr(opt, "fp32_groups", None) or [])
+    return {id(half): master for halves, masters in pairs for half, master in zip(halves, masters)}

@@ -1,0 +1,200 @@
+"""Every model family and every objective through the real DeepSpeed engine in bf16 (the GPU default), on the
+CPU: forward, backward and three optimizer steps, a finite loss, and every parameter updated that the same
+steps update in fp32 (a few get no gradient yet by design: LeViT's attention biases over a single token at
+the debug size, parameters behind a zero-initialised residual branch).
+
+    .venv/bin/python -m pytest tests/test_precision.py -q
+
+One process, one rank (a gloo group of one): the engine, the objective and the loop's `train_step` are the
+real ones; the batches are made here (the loader is the same in every precision). ZeRO-3 partitions and
+casts parameters its own way, so every case runs under ZeRO-2 and ZeRO-3; ZeRO-0 (DeepSpeed's separate
+bf16 optimizer wrapper) runs for the plain ViT and MAE. fp32 runs everywhere else in the suite, and here as
+the reference. fp16 is refused by the config (DeepSpeed cannot run it on a CPU, so it could not be tested).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import models_for
+
+from pipeline.config import ConfigError, load_config, validate_config
+from pipeline.models import create_model
+from pipeline.objectives import build_objective
+from pipeline.stage import model_kwargs
+from pipeline.train.engine import build_engine, consolidated_state_dict, init_distributed
+from pipeline.train.export import export_weights
+from pipeline.train.loop import train_step
+
+pytestmark = pytest.mark.unit
+
+CLASSES, IMG, BATCH = 5, 32, 4
+# (model, objective, model overrides): every registered debug family with the objective it trains under.
+CASES: list[tuple[str, str, dict]] = [
+    *[(m, "supervised_softmax", {}) for m in models_for("classifier", debug=True)],
+    *[(m, "mae", {}) for m in models_for("mae", debug=True)],
+    *[(m, "simmim", {}) for m in models_for("simmim", debug=True)],
+    *[(m, "masked_patch_prediction", {}) for m in models_for("masked_patch", debug=True)],
+    *[(m, "segmentation", {}) for m in models_for("segmentation", debug=True)],
+    ("vit_debug", "supervised_sigmoid", {}),
+    ("vit_debug", "distill", {}),
+    ("levit_debug", "distill", {}),  # its own distillation head
+    # The plain ViT's variants: every position embedding, both poolings, patch dropout, the hybrid stem.
+    *[
+        ("vit_debug", "supervised_sigmoid", {"pos_embed": k})
+        for k in ("learned_2d", "sincos2d", "relative", "none")
+    ],
+    ("vit_debug", "supervised_softmax", {"pool": "gap", "pos_embed": "sincos2d"}),
+    ("vit_debug", "supervised_softmax", {"patch_dropout": 0.5}),
+    ("mae_vit_debug", "mae", {"pos_embed": "learned", "norm_pix_loss": True}),
+]
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _case_id(case: tuple[str, str, dict]) -> str:
+    model, objective, overrides = case
+    return "-".join([model, objective, *(f"{k}={v}" for k, v in overrides.items())])
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A process group of one rank (gloo) for the module's engines; left when the module ends."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    ctx = init_distributed(use_gpu=False)
+    yield ctx
+    dist.destroy_process_group()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def teacher_weights(tmp_path_factory) -> Path:
+    """A vit_debug export for the distillation cases (any weights do: the test checks the mechanics)."""
+    torch.manual_seed(0)
+    kwargs = {"num_classes": CLASSES}
+    model = create_model("vit_debug", **kwargs)
+    out = tmp_path_factory.mktemp("teacher")
+    return export_weights(model.state_dict(), "vit_debug", kwargs, out, 0)
+
+
+def _config(model: str, objective: str, overrides: dict, precision: str, zero: int, teacher: Path):
+    obj: dict = {"name": objective}
+    if objective == "distill":
+        obj["teacher"] = {
+            "model": "vit_debug",
+            "weights": str(teacher),
+            "overrides": {"num_classes": CLASSES},
+        }
+    model_overrides = dict(overrides)
+    patch_dropout = model_overrides.pop("patch_dropout", 0.0)
+    return validate_config(
+        {
+            "name": "precision",
+            "data": {"train": "unused", "batch_size": BATCH},
+            "model": {
+                "name": model,
+                "img_size": IMG,
+                "overrides": model_overrides,
+                "patch_dropout": patch_dropout,
+            },
+            "objective": obj,
+            "optim": {"lr": 1e-3, "scale_lr": False, "steps": 10, "warmup_steps": 0},
+            "deepspeed": {"zero_stage": zero, "precision": precision},
+            "cluster": {"launcher": "local"},
+        }
+    )
+
+
+def _batches(objective: str, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        batch = {
+            "image": torch.randint(0, 256, (BATCH, 3, IMG, IMG), dtype=torch.uint8, generator=g),
+            "target": torch.randint(0, CLASSES, (BATCH,), generator=g),
+            "skipped": 0,
+        }
+        if objective == "supervised_sigmoid":  # multi-hot, as the JFT-like corpus gives
+            batch["target"] = (torch.rand(BATCH, CLASSES, generator=g) < 0.3).long()
+        if objective == "segmentation":
+            batch["mask"] = torch.randint(0, CLASSES, (BATCH, IMG, IMG), dtype=torch.uint8, generator=g)
+        yield batch
+
+
+def _changed(one_rank, case, precision: str, zero: int, teacher: Path) -> set[str]:
+    """Train three steps; -> the names of the parameters the steps changed (fp32 master weights)."""
+    model_name, objective_name, overrides = case
+    cfg = _config(model_name, objective_name, overrides, precision, zero, teacher)
+    torch.manual_seed(0)
+    model = create_model(model_name, **model_kwargs(cfg, CLASSES))
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    objective = build_objective(cfg.objective)
+    engine, _, _ = build_engine(model, cfg, one_rank)
+    objective.prepare(engine.module, one_rank.device)
+    dtypes = {p.dtype for p in engine.module.parameters()}  # ZeRO-3: partitioned, the dtype still says
+    assert dtypes == {DTYPES[precision]}, f"the engine holds parameters in {dtypes}, not {precision}"
+    batches = _batches(objective_name, seed=1)
+    losses = []
+    for step in range(3):
+        loss, metrics, _, _ = train_step(engine, objective, batches, lambda b: b, 0, step, 1, 0)
+        losses.append(loss.float().item())
+        assert all(math.isfinite(v.float().item()) for v in metrics.values()), metrics
+    assert all(math.isfinite(v) for v in losses), f"{precision} ZeRO-{zero}: losses {losses}"
+    after = consolidated_state_dict(engine)
+    return {k for k, v in before.items() if not torch.equal(after[k].float(), v.float())}
+
+
+_FP32_CHANGED: dict[str, set[str]] = {}
+
+
+def _run(one_rank, case, precision: str, zero: int, teacher: Path) -> None:
+    key = _case_id(case)
+    if key not in _FP32_CHANGED:  # the reference: the same steps in fp32 (ZeRO-2)
+        _FP32_CHANGED[key] = _changed(one_rank, case, "fp32", 2, teacher)
+    reference = _FP32_CHANGED[key]
+    total = sum(1 for _ in create_model(case[0]).parameters())
+    assert len(reference) >= 0.75 * total, f"fp32 updated only {len(reference)} of {total} parameters"
+    changed = _changed(one_rank, case, precision, zero, teacher)
+    assert changed == reference, (
+        f"{precision} ZeRO-{zero}: not updated {sorted(reference - changed)}, "
+        f"updated only here {sorted(changed - reference)}"
+    )
+
+
+@pytest.mark.parametrize("zero", (2, 3))
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_every_family_and_objective_trains_in_bf16(one_rank, teacher_weights, case, zero):
+    _run(one_rank, case, "bf16", zero, teacher_weights)
+
+
+@pytest.mark.parametrize("objective", ("supervised_softmax", "mae"))
+def test_zero0_bf16_wrapper(one_rank, teacher_weights, objective):
+    """ZeRO-0 under bf16 goes through DeepSpeed's own bf16 optimizer wrapper, not ZeRO's."""
+    model = "vit_debug" if objective != "mae" else "mae_vit_debug"
+    _run(one_rank, (model, objective, {"pos_embed": "sincos2d"}), "bf16", 0, teacher_weights)
+
+
+def test_fp16_is_refused_with_what_to_use_instead():
+    with pytest.raises(ConfigError, match=r"deepspeed\.precision.*fp16 is not offered.*Use bf16"):
+        load_config(
+            Path(__file__).parents[1] / "configs/experiments/smoke.yaml", ["deepspeed.precision=fp16"]
+        )
