@@ -9,6 +9,7 @@ import io
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -21,14 +22,15 @@ from data_prep.shard_file import Sample
 from data_prep.synthetic import class_names, synthetic_samples
 from data_prep.writer import write_dataset
 from pipeline.config import ConfigError, DataConfig, load_config, validate_config
-from pipeline.data.device import DeviceDecode, pil_decoder
+from pipeline.data.device import DeviceDecode, Prefetcher, pil_decoder, prefetch
 from pipeline.data.loader import make_train_loader
 from pipeline.data.sources import dataset_info
+from pipeline.data.transforms import crop_resize_flip, crop_resize_flip_batch
 from pipeline.hardware import peak_flops
 from pipeline.models import create_model
 from pipeline.models.flops import flops_per_image
-from pipeline.models.layers import set_grad_checkpointing
-from pipeline.train.loop import _flops_per_image
+from pipeline.models.layers import checkpoints_block, set_grad_checkpointing
+from pipeline.train.loop import _flops_per_image, _shutdown_loader
 
 pytestmark = pytest.mark.unit
 
@@ -92,6 +94,52 @@ def test_activation_checkpointing_reaches_every_family(name):
     assert plain.keys() == checkpointed.keys()
     for k in plain:
         torch.testing.assert_close(checkpointed[k], plain[k], rtol=1e-4, atol=1e-6, msg=f"{name}: {k}")
+
+
+@pytest.mark.parametrize(
+    "fraction, blocks", [(0.0, []), (0.25, [3]), (0.5, [1, 3]), (0.75, [1, 2, 3]), (1.0, [0, 1, 2, 3])]
+)
+def test_a_fraction_of_the_blocks_recomputes_in_backward(fraction, blocks):
+    """model.grad_checkpointing: F checkpoints floor(F x depth) blocks spread evenly, and only those run their
+    forward again in backward; the gradients do not change."""
+    torch.manual_seed(0)
+    model = create_model("vit_debug").train()
+    assert len(model.blocks) == 4
+    images = torch.randn(2, 3, 32, 32)
+    _, plain = _linear_calls_in_backward(model, "classify", images)
+    set_grad_checkpointing(model, fraction)
+    rerun = []
+    for i, blk in enumerate(model.blocks):
+        blk.mlp.fc1.register_forward_hook(lambda *_, i=i: rerun.append(i))
+    loss = _loss(model, "classify", images)
+    rerun.clear()  # the forward's calls; what follows is the backward's recompute
+    loss.backward()
+    assert sorted(rerun) == blocks  # backward reaches the last block first
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, plain[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_checkpointed_blocks_are_spread_and_counted():
+    for count in (1, 4, 12, 24, 32):
+        for fraction in (0.0, 0.1, 0.25, 1 / 3, 0.5, 0.75, 1.0):
+            chosen = [i for i in range(count) if checkpoints_block(fraction, i, count)]
+            assert len(chosen) == int(fraction * count + 1e-9), (count, fraction, chosen)
+            if len(chosen) > 1:  # evenly spread: gaps differ by at most one block
+                gaps = [b - a for a, b in zip(chosen, chosen[1:])]
+                assert max(gaps) - min(gaps) <= 1, (count, fraction, chosen)
+    with pytest.raises(ValueError, match=r"in \[0, 1\], got 1.5"):
+        set_grad_checkpointing(create_model("vit_debug"), 1.5)
+
+
+def test_grad_checkpointing_config_takes_a_fraction_or_a_flag_and_names_the_old_key(tmp_path):
+    assert _load(tmp_path, model={"grad_checkpointing": True}).model.grad_checkpointing == 1.0
+    assert _load(tmp_path, model={"grad_checkpointing": 0.5}).model.grad_checkpointing == 0.5
+    with pytest.raises(ConfigError, match=r"model\.grad_checkpointing: .*less than or equal to 1"):
+        _load(tmp_path, model={"grad_checkpointing": 2})
+    with pytest.raises(
+        ConfigError, match=r"deepspeed\.activation_checkpointing: moved to model\.grad_checkpointing"
+    ):
+        _load(tmp_path, deepspeed={"activation_checkpointing": True})
 
 
 def test_a_model_without_checkpointable_blocks_is_named():
@@ -266,6 +314,174 @@ def test_cuda_decode_path_matches_the_cpu_path(tmp_path):
     assert to_device.failed == 1
 
 
+def test_encoded_batches_carry_only_the_images_the_workers_decoded(tmp_path):
+    """No full image batch in an encoded batch (it would be pinned and copied for slots the GPU fills): just the
+    images the workers decoded (the PNG), the same as the CPU path's, with their slots."""
+    root = _dataset(tmp_path / "data")
+    cpu = {key: b["image"][i] for b in _batches(root, "cpu", 2) for i, key in enumerate(b["key"])}
+    seen_png = False
+    for b in _batches(root, "cuda", 2):
+        assert "image" not in b
+        slots = b["decoded_slots"].tolist()
+        assert slots == [i for i, key in enumerate(b["key"]) if key == "png_0"]
+        assert b["decoded_images"].shape == (len(slots), 3, 32, 32)
+        assert b["decoded_images"].dtype == torch.uint8
+        for j, slot in enumerate(slots):
+            assert torch.equal(b["decoded_images"][j], cpu[b["key"][slot]])
+            seen_png = True
+    assert seen_png
+
+
+def _random_crops(n: int, seed: int) -> tuple[list[torch.Tensor], list[tuple], list[bool]]:
+    """Images of 1 to 150 pixels a side, boxes from a pixel to past the edges (upscales and downscales of up
+    to ~20x at 8 px), every other one flipped; and three fixed cases: the whole image, one pixel, a crop of
+    exactly the output size (24 px)."""
+    g = torch.Generator().manual_seed(seed)
+    images, boxes = [], []
+    for _ in range(n):
+        h, w = torch.randint(1, 151, (2,), generator=g).tolist()
+        images.append(torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=g))
+        x0, x1 = sorted((torch.rand(2, generator=g) * 1.2 * w - 0.1 * w).tolist())
+        y0, y1 = sorted((torch.rand(2, generator=g) * 1.2 * h - 0.1 * h).tolist())
+        boxes.append((x0, y0, x1, y1))
+    smooth = torch.linspace(0, 255, 60 * 80).round().to(torch.uint8).view(1, 60, 80).repeat(3, 1, 1)
+    images += [smooth, smooth, smooth]
+    boxes += [(0, 0, 80, 60), (10.2, 20.7, 10.9, 21.1), (5, 6, 29, 30)]
+    return images, boxes, [i % 2 == 1 for i in range(len(images))]
+
+
+@pytest.mark.parametrize("size", [8, 24])
+@pytest.mark.parametrize("max_elements", [None, 20_000])  # 20,000: the batch is cut into groups
+def test_batched_crop_matches_the_per_image_crop(size, max_elements):
+    """`crop_resize_flip_batch` (two batched matmuls) gives `crop_resize_flip`'s images (torch's antialiased
+    bilinear, per image) within one grey level, on a few pixels only, whatever the crop's scale and flip."""
+    images, boxes, flips = _random_crops(40, seed=size)
+    expected = torch.stack([crop_resize_flip(im, b, f, size) for im, b, f in zip(images, boxes, flips)])
+    kwargs = {} if max_elements is None else {"max_elements": max_elements}
+    got = crop_resize_flip_batch(images, boxes, flips, size, **kwargs)
+    assert got.shape == (len(images), 3, size, size) and got.dtype == torch.uint8
+    diff = (got.int() - expected.int()).abs()
+    assert diff.max().item() <= 1
+    assert (diff > 0).float().mean().item() < 0.01
+    if size == 24:  # a 24 px crop at 24 px: the pixels themselves
+        crop = images[-1][:, 6:30, 5:29]
+        assert torch.equal(got[-1], crop.flip(-1) if flips[-1] else crop)
+
+
+def test_batched_crop_launches_as_many_ops_for_any_batch_size():
+    """One batch, one set of kernels: the ops that compute (views aside) do not grow with the batch."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += not func.is_view
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for n in (2, 16):
+        images, boxes, flips = _random_crops(n, seed=1)
+        with CountOps() as counter:
+            crop_resize_flip_batch(images, boxes, flips, 16)
+        counts.append(counter.ops)
+    assert counts[0] == counts[1] < 70, counts
+
+
+def _encoded_loader(root: Path):
+    info = dataset_info(root, "train")
+    data = DataConfig(train="-", batch_size=13, num_workers=0, shuffle_buffer=0, min_scale=0.3, decode="cuda")
+    return make_train_loader(info, data, rank=0, world_size=1, img_size=32, seed=5)
+
+
+def test_prefetcher_yields_the_plain_paths_batches_in_order(tmp_path):
+    """The prefetcher (a thread decoding ahead; on the CPU with the PIL decoder, no streams) yields what
+    decoding each batch in turn yields, in the same order, and its thread ends when it is closed."""
+    root = _dataset(tmp_path / "data")
+    cpu = torch.device("cpu")
+    plain_it, plain_decode = iter(_encoded_loader(root)), DeviceDecode(cpu, 32, pil_decoder(cpu))
+    plain = [plain_decode(next(plain_it)) for _ in range(5)]
+    batches, to_device = prefetch(iter(_encoded_loader(root)), DeviceDecode(cpu, 32, pil_decoder(cpu)), cpu)
+    assert isinstance(batches, Prefetcher)
+    made = [to_device(next(batches)) for _ in range(5)]
+    for a, b in zip(plain, made):
+        assert a["key"] == b["key"]
+        assert torch.equal(a["image"], b["image"]) and torch.equal(a["target"], b["target"])
+        assert a["skipped"] == b["skipped"]
+    assert batches.gpu_idle_seconds() is None  # CUDA events only
+    batches.close()
+    assert not batches._thread.is_alive()
+
+
+class _Source:
+    """A loader iterator stand-in: `good` batches, then `end` raised (StopIteration: a finite loader's end);
+    records the threads that read it and its shutdown."""
+
+    def __init__(self, good: int, end: Exception):
+        self.good, self.end, self.taken, self.shut = good, end, 0, False
+        self.threads: set[str] = set()
+
+    def __next__(self) -> dict:
+        self.threads.add(threading.current_thread().name)
+        if self.taken == self.good:
+            raise self.end
+        self.taken += 1
+        return {"n": self.taken}
+
+    def _shutdown_workers(self) -> None:
+        self.shut = True
+
+
+def test_prefetcher_raises_the_loaders_error_in_the_caller():
+    source = _Source(2, ValueError("shard 7 is not a tar file"))
+    batches = Prefetcher(source, lambda b: {**b, "made": True}, torch.device("cpu"))
+    assert [next(batches)["n"] for _ in range(2)] == [1, 2]
+    with pytest.raises(ValueError, match="shard 7"):
+        next(batches)
+    with pytest.raises(StopIteration):
+        next(batches)
+    assert source.threads == {"device-prefetch"}  # the loader ran in the prefetch thread only
+    batches.close()
+    assert not batches._thread.is_alive()
+
+
+def test_prefetcher_ends_at_the_loaders_end_and_stops_when_closed():
+    batches = Prefetcher(_Source(3, StopIteration()), lambda b: b, torch.device("cpu"))
+    assert [b["n"] for b in batches] == [1, 2, 3]  # a finite loader: StopIteration at its end
+    endless = _Source(10**9, StopIteration())
+    batches = Prefetcher(endless, lambda b: b, torch.device("cpu"), depth=1)
+    next(batches)
+    _shutdown_loader(batches)  # the loop's shutdown: the thread stops (it was waiting on a full queue)...
+    assert not batches._thread.is_alive()
+    assert endless.shut  # ...then the loader's workers
+    assert endless.taken <= 4  # it never ran more than the queue's depth ahead
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_prefetcher_on_cuda_matches_the_cpu_path(tmp_path):
+    """The real stream path (side stream, event wait, record_stream, idle events) with PIL in nvJPEG's place:
+    the same batches as the CPU, and the GPU idle time measured."""
+    root = _dataset(tmp_path / "data")
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", torch.cuda.current_device())
+    plain_it, plain_decode = iter(_encoded_loader(root)), DeviceDecode(cpu, 32, pil_decoder(cpu))
+    plain = [plain_decode(next(plain_it)) for _ in range(4)]
+    batches, to_device = prefetch(iter(_encoded_loader(root)), DeviceDecode(gpu, 32, pil_decoder(gpu)), gpu)
+    for expected in plain:
+        batch = to_device(next(batches))
+        assert batch["image"].device == gpu and batch["key"] == expected["key"]
+        diff = (batch["image"].cpu().int() - expected["image"].int()).abs()
+        assert diff.max().item() <= 1 and torch.equal(batch["target"].cpu(), expected["target"])
+        (batch["image"].float().mean() * 2).sum()  # a "step" on the training stream
+    torch.cuda.synchronize()
+    idle = batches.gpu_idle_seconds()
+    assert idle is not None and idle >= 0
+    _shutdown_loader(batches)
+    assert not batches._thread.is_alive()
+
+
 # ---------------------------------------------------------------------- torch.compile in the engine
 
 SMOKE = Path(__file__).parents[1] / "configs/experiments/smoke.yaml"
@@ -287,7 +503,7 @@ def test_compiled_model_trains_like_eager_under_zero3(smoke_dataset, tmp_path):
             f"data.train={smoke_dataset}",
             "cluster.launcher=local",
             "deepspeed.zero_stage=3",
-            "deepspeed.activation_checkpointing=true",
+            "model.grad_checkpointing=1.0",
             f"model.compile={mode == 'compiled'}",
             "optim.steps=6",
             "data.num_workers=1",

@@ -97,10 +97,12 @@ class BatchBuilder:
     """Fills preallocated uint8 batch tensors in place: one copy per image, no torch.stack.
 
     With `encoded=True` (data.decode: cuda) a slot may instead hold a JPEG still encoded, with the crop box
-    and flip drawn for it (`add_encoded`); the batch then also carries "jpeg_data" (uint8 [total bytes],
-    the JPEGs one after another), "jpeg_offsets" (long [B + 1]: slot i's bytes are
+    and flip drawn for it (`add_encoded`); the batch then carries, in place of "image", "jpeg_data" (uint8
+    [total bytes], the JPEGs one after another), "jpeg_offsets" (long [B + 1]: slot i's bytes are
     jpeg_data[offsets[i]:offsets[i + 1]], empty for a slot decoded here), "box" (float [B, 4]: left, top,
-    right, bottom in pixels) and "flip" (bool [B]). `pipeline.data.device` decodes them on the GPU.
+    right, bottom in pixels), "flip" (bool [B]), and the images decoded here (PNG, WebP): "decoded_images"
+    (uint8 [N, 3, H, W], N usually 0) of "decoded_slots" (long [N], ascending). No full image batch is
+    made, pinned or copied for slots the device fills. `pipeline.data.device` decodes the JPEGs on the GPU.
     """
 
     def __init__(
@@ -120,7 +122,8 @@ class BatchBuilder:
 
     def _new(self) -> None:
         b, s = self.batch_size, self.img_size
-        self.images = _empty_batch((b, 3, s, s), self.shared)  # [B, 3, H, W]
+        # [B, 3, H, W]; encoded batches keep only the images decoded here, by slot, until `take`
+        self.images = None if self.encoded else _empty_batch((b, 3, s, s), self.shared)
         self.targets = (
             torch.zeros((b, self.num_classes)) if self.multi_label else torch.zeros(b, dtype=torch.long)
         )  # [B, K] multi-hot or [B] class indices
@@ -131,6 +134,7 @@ class BatchBuilder:
             self.masks = _empty_batch((b, s, s), self.shared)  # [B, H, W] class per pixel
         if self.encoded:
             self.jpegs: list[bytes] = [b""] * b
+            self.decoded: dict[int, torch.Tensor] = {}  # slot -> uint8 [3, H, W] decoded here
             self.boxes = torch.zeros((b, 4))  # [B, 4] crop boxes of the encoded slots
             self.flips = torch.zeros(b, dtype=torch.bool)  # [B]
 
@@ -142,7 +146,9 @@ class BatchBuilder:
         key: str,
         mask: torch.Tensor | None = None,
     ) -> None:
-        if image is not None:  # None: an encoded slot, decoded on the training device
+        if image is not None and self.encoded:
+            self.decoded[slot] = image  # uint8 [3, H, W], copied into the batch at `take`
+        elif image is not None:  # None: an encoded slot, decoded on the training device
             self.images[slot] = image  # uint8 [3, H, W] -> its batch slot
         if mask is not None:
             self.masks[slot] = mask  # uint8 [H, W]
@@ -186,11 +192,26 @@ class BatchBuilder:
         for i, jpeg in enumerate(self.jpegs):
             if jpeg:
                 data[offsets[i] : offsets[i + 1]] = torch.frombuffer(bytearray(jpeg), dtype=torch.uint8)
-        return {"jpeg_data": data, "jpeg_offsets": offsets, "box": self.boxes, "flip": self.flips}
+        slots = sorted(self.decoded)
+        s = self.img_size
+        images = _empty_batch((len(slots), 3, s, s), self.shared and len(slots) > 0)  # [N, 3, H, W]
+        for j, slot in enumerate(slots):
+            images[j] = self.decoded[slot]
+        return {
+            "jpeg_data": data,
+            "jpeg_offsets": offsets,
+            "box": self.boxes,
+            "flip": self.flips,
+            "decoded_images": images,
+            "decoded_slots": torch.tensor(slots, dtype=torch.long),
+        }
 
     def pad(self, last: list) -> None:
         """Fill the empty slots with a repeat of a real sample: this batch's last, else `last`
-        (updated here: [image, target] of the last real sample seen), else zeros."""
+        (updated here: [image, target] of the last real sample seen), else zeros. Not for encoded batches
+        (training batches, which are never padded)."""
+        if self.encoded:
+            raise ValueError("BatchBuilder.pad: an encoded batch (data.decode: cuda) is never padded")
         real = self.valid.nonzero().flatten().tolist()
         if real:
             last[:] = [self.images[real[-1]].clone(), self.targets[real[-1]].clone()]
@@ -204,8 +225,11 @@ class BatchBuilder:
                 self.masks[slot] = MASK_IGNORE  # a padding slot's pixels count nowhere
 
     def take(self, **extra) -> dict:
-        """The batch {"image", "target", "key", **extra}; the builder starts a new one."""
-        batch = {"image": self.images, "target": self.targets, "key": self.keys, **extra}
+        """The batch {"image", "target", "key", **extra} (encoded: the fields of the class docstring in place of
+        "image"); the builder starts a new one."""
+        batch = {"target": self.targets, "key": self.keys, **extra}
+        if not self.encoded:
+            batch = {"image": self.images, **batch}
         if self.with_masks:
             batch["mask"] = self.masks
         if self.encoded:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from data_prep.storage import Store, child
 from pipeline.config import ConfigError, StageConfig
 from pipeline.data.deal import Deal, continue_deal
-from pipeline.data.device import batch_to_device
+from pipeline.data.device import Prefetcher, batch_to_device, prefetch
 from pipeline.data.loader import make_train_loader
 from pipeline.data.sources import dataset_info
 from pipeline.hardware import peak_flops
@@ -290,8 +290,9 @@ def train(
 
     # -- tracking (rank 0 only): a resumed stage continues its MLflow run
     peak = _peak_flops(cfg, ctx.device)
-    # Training = 3 x forward (model FLOPs, MFU); activation checkpointing runs the forward again (hardware).
-    recompute = 1 if cfg.deepspeed.activation_checkpointing else 0
+    # Training = 3 x forward (model FLOPs, MFU); activation checkpointing runs the forward of the fraction
+    # of blocks it checkpoints again (hardware FLOPs; the blocks hold nearly all of them).
+    recompute = cfg.model.grad_checkpointing
     derived = {
         "derived.global_batch": global_batch,
         "derived.lr": scaled_lr(cfg, ctx.world_size),
@@ -317,6 +318,8 @@ def train(
 
         # -- the loop
         batches = iter(loader)
+        if cfg.data.decode == "cuda":  # a thread decodes batch N+1 on a side stream while step N runs
+            batches, to_device = prefetch(batches, to_device, ctx.device)
         losses: list[float] = []
         last_loss = float("nan")
         t0 = t_log = t_print = time.perf_counter()
@@ -345,6 +348,8 @@ def train(
                 now = time.perf_counter()
                 elapsed = now - t_log
                 training_s = max(elapsed - ckpt_seconds[0], 1e-9)  # checkpoint saves left out
+                # decode cuda: GPU idle between batches (CUDA events, read after the sync above)
+                gpu_idle = batches.gpu_idle_seconds() if isinstance(batches, Prefetcher) else None
                 images_per_s = steps_since_log * global_batch / training_s
                 values = {
                     "train/loss": last_loss,  # mean over ranks
@@ -352,10 +357,13 @@ def train(
                     "train/images_per_s": images_per_s,
                     "data/skipped_samples": packed[1].item(),
                     **({"data/epoch": float(batch["epoch"])} if "epoch" in batch else {}),  # rank 0's stream
-                    # rank 0's time getting batches (loader wait, copy or GPU decode), a fraction of the interval
+                    # rank 0's time getting batches (loader wait, copy or GPU decode; decode cuda: the wait for
+                    # the prefetch thread's decode), a fraction of the interval
                     "data/wait_fraction": min(1.0, data_wait / training_s),
                     **{f"train/{k}": v.item() for k, v in metrics.items()},
                 }
+                if gpu_idle is not None:  # the GPU's side of data/wait_fraction: idle between batches
+                    values["data/gpu_idle_fraction"] = min(1.0, gpu_idle / training_s)
                 gnorm = engine.get_global_grad_norm()
                 if gnorm is not None:
                     values["train/grad_norm"] = float(gnorm)
@@ -443,7 +451,11 @@ def train(
 
 def _shutdown_loader(batches) -> None:
     """Stop the loader's worker processes now. Left to garbage collection, a persistent worker can outlive
-    the stage: with torch.compile the exiting rank waited on its worker forever (seen on CPU, 2 ranks)."""
+    the stage: with torch.compile the exiting rank waited on its worker forever (seen on CPU, 2 ranks).
+    With decode cuda the batches come through a Prefetcher: its thread stops taking batches first."""
+    if isinstance(batches, Prefetcher):
+        batches.close()
+        batches = batches.source
     shutdown = getattr(batches, "_shutdown_workers", None)  # DataLoader's multi-process iterator
     if shutdown is not None:
         shutdown()
