@@ -11,7 +11,7 @@ export DS_BUILD_OPS ?= 0
 export RAY_AUTH_MODE ?= token
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup demo demo-small test test-fast lint bench clean
+.PHONY: setup demo demo-small test test-fast lint bench wheelhouse clean
 
 setup: $(VENV)/.installed
 
@@ -61,5 +61,11 @@ bench: setup
 	$(PY) bench/s3_read.py --out bench/results/s3_read.json
 	$(PY) bench/multinode.py --out bench/results/multinode.json
 
+# For a GPU node without network (docs/gpu.md): the wheels the project needs beside the node's own CUDA torch,
+# for this machine's Python minor and platform. tools/wheelhouse.py --help builds for another target.
+WHEELHOUSE ?= wheelhouse
+wheelhouse: setup
+	$(PY) tools/wheelhouse.py --out $(WHEELHOUSE) --deepspeed "$(DEEPSPEED_SPEC)"
+
 clean:
-	rm -rf $(VENV) runs build *.egg-info
+	rm -rf $(VENV) runs build *.egg-info wheelhouse
