@@ -41,7 +41,8 @@ LONG_TESTS = {
     "test_two_ranks_give_the_single_process_result": 245,  # its module fixture: both evaluations
     "test_checkpoints_on_s3_resume_a_run_whose_local_directory_is_gone": 150,
     "test_each_family_trains_under_every_zero_stage_with_distillation_and_simmim": 75,
-    "test_gpu_bench_dry_run_runs_every_case_on_cpu": 90,  # four engines and three loaders
+    "test_gpu_bench_dry_run_runs_every_case_on_cpu": 90,  # five engines, a dataset and three loaders
+    "test_every_family_and_objective_trains_in_bf16": 150,  # its module: 90 engines in one process
     "test_compiled_model_trains_like_eager_under_zero3": 120,  # compiles on both ranks
     "test_export_is_assembled_in_memory_and_equals_zero_to_fp32": 60,
     "test_same_seed_same_losses_on_cpu": 55,

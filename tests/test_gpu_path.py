@@ -5,6 +5,8 @@ data path run with a PIL decoder standing in for nvJPEG (the real decoder needs 
     .venv/bin/python -m pytest tests/test_gpu_path.py -q
 """
 
+import dataclasses
+import importlib.util
 import io
 import json
 import subprocess
@@ -29,7 +31,8 @@ from pipeline.data.transforms import crop_resize_flip, crop_resize_flip_batch
 from pipeline.hardware import peak_flops
 from pipeline.models import create_model
 from pipeline.models.flops import flops_per_image
-from pipeline.models.layers import checkpoints_block, set_grad_checkpointing
+from pipeline.models.layers import checkpoints_block, set_grad_checkpointing, transformer_blocks
+from pipeline.train.engine import compile_blocks
 from pipeline.train.loop import _flops_per_image, _shutdown_loader
 
 pytestmark = pytest.mark.unit
@@ -140,6 +143,19 @@ def test_grad_checkpointing_config_takes_a_fraction_or_a_flag_and_names_the_old_
         ConfigError, match=r"deepspeed\.activation_checkpointing: moved to model\.grad_checkpointing"
     ):
         _load(tmp_path, deepspeed={"activation_checkpointing": True})
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_compile_applies_to_each_transformer_block_not_the_whole_model(name):
+    """model.compile: every block of every part (MAE's decoder too) compiled in place, the code between
+    blocks left eager; state dict keys unchanged. (Compiled training runs in the torchrun test below.)"""
+    model = create_model(name)
+    keys = list(model.state_dict())
+    blocks = transformer_blocks(model)
+    assert blocks and compile_blocks(model) == len(blocks)
+    assert all(b._compiled_call_impl is not None for b in blocks)
+    assert model._compiled_call_impl is None
+    assert list(model.state_dict()) == keys
 
 
 def test_a_model_without_checkpointable_blocks_is_named():
@@ -515,26 +531,78 @@ def test_compiled_model_trains_like_eager_under_zero3(smoke_dataset, tmp_path):
     assert losses["compiled"] == pytest.approx(losses["eager"], rel=1e-4, abs=1e-5)
 
 
+BENCH = Path(__file__).parents[1] / "bench/gpu.py"
+
+
+def _gpu_bench():
+    spec = importlib.util.spec_from_file_location("bench_gpu", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_gpu"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.slow
 def test_gpu_bench_dry_run_runs_every_case_on_cpu(tmp_path):
-    """bench/gpu.py --dry-run: the benchmark's code, debug models on CPU, every case without an error.
-    Eager only: compiling costs a minute on these cores, and test_compiled_model_trains_like_eager_under_zero3
-    runs the compiled engine."""
+    """bench/gpu.py --dry-run: the benchmark's code, debug models on CPU, every default case done.
+    Eager only: compiling costs a minute on these cores; test_compiled_model_trains_like_eager_under_zero3
+    runs the compiled engine and test_compile_applies_to_each_transformer_block_not_the_whole_model checks
+    what is compiled."""
+    bench = _gpu_bench()
+    names = [n for n, c in bench.CASES.items() if c.default and not (c.train and c.train.compiled)]
     out = tmp_path / "gpu.json"
-    bench = Path(__file__).parents[1] / "bench/gpu.py"
     proc = subprocess.run(
-        [sys.executable, str(bench), "--dry-run", "--no-compile", "--out", str(out)],
+        [sys.executable, str(BENCH), "--dry-run", "--cases", ",".join(names), "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=1200,  # a hang guard: 255 s under the suite's full load
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["dry_run"] and result["errors"] == []
-    training = result["training"]
-    assert set(training) == {"vit_b16", "vit_l16", "vit_h14", "mae_vit_h14"}
-    for name, case in training.items():
-        assert case["images_per_s"] > 0 and case["forward_flops_per_image"] > 0, name
-    assert training["vit_h14"]["zero_stage"] == 3 and training["vit_h14"]["activation_checkpointing"]
-    assert {"cpu", "cuda", "cuda_into_vit_b16"} <= result["loader"].keys()
-    assert 0 <= result["loader"]["cuda_into_vit_b16"]["data_wait_fraction"] <= 1
+    assert result["dry_run"] and result["errors"] == [] and result["dataset"]["status"] == "done"
+    cases = result["cases"]
+    assert list(cases) == names and all(c["status"] == "done" for c in cases.values()), cases
+    for name in names:
+        if bench.CASES[name].kind == "train":
+            assert cases[name]["images_per_s"] > 0 and cases[name]["forward_flops_per_image"] > 0, name
+    # ViT-H and MAE-H train without recompute under ZeRO-1; the ZeRO-3 case recomputes every block.
+    assert cases["vit_h14"]["zero"] == 1 and cases["vit_h14"]["checkpointing"] == 0
+    assert cases["mae_vit_h14"]["zero"] == 1 and cases["mae_vit_h14"]["checkpointing"] == 0
+    assert cases["vit_h14_zero3_ckpt"]["zero"] == 3 and cases["vit_h14_zero3_ckpt"]["checkpointing"] == 1
+    fed = cases["fed_cuda_vit_b16"]
+    assert 0 <= fed["data_wait_fraction"] <= 1 and fed["gpu_idle_fraction"] is None  # no CUDA events on CPU
+    assert result["goals"]["vit_b16"]["mfu_goal"] == 0.45
+
+
+def test_gpu_bench_skips_what_the_budget_leaves_no_time_for_and_writes_the_json(tmp_path):
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--dry-run", "--budget-s", "1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    bench = _gpu_bench()
+    assert list(result["cases"]) == [n for n, c in bench.CASES.items() if c.default]
+    assert all(c["status"] == "skipped" and "budget" in c["reason"] for c in result["cases"].values())
+    assert result["wall_s"] < 60
+
+
+def test_gpu_bench_default_run_fits_its_budget_by_design():
+    """The default cases' expected times (docs/gpu.md) fit the 7-minute budget with room for the dataset."""
+    bench = _gpu_bench()
+    default = [c for c in bench.CASES.values() if c.default]
+    assert bench.BUDGET_S <= 420
+    assert sum(c.expected_s for c in default) + 30 <= 0.85 * bench.BUDGET_S
+    assert all(c.expected_s < c.cap_s for c in bench.CASES.values())
+
+
+def test_a_failed_gpu_bench_case_keeps_the_exception(tmp_path):
+    """A case that raises is marked failed with its exception's last lines, not a shutdown warning."""
+    bench = _gpu_bench()
+    bad = bench.Train("no_such_model", 1, 0.0, "supervised_softmax", 8, 32, steps=1, warmup=1)
+    result = bench.run_case("train", {"train": dataclasses.asdict(bad), "gpu": False}, timeout=300)
+    assert result["status"] == "failed"
+    assert any("no_such_model" in line for line in result["error"]), result["error"]

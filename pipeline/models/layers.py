@@ -80,6 +80,18 @@ def set_grad_checkpointing(model: nn.Module, fraction: float = 1.0) -> int:
     return len(found)
 
 
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of every part of `model`, in order: the members of each `blocks` or
+    `decoder_blocks` container (a ViT's, an MAE decoder's, each CvT, Swin or LeViT stage's, TNT's)."""
+    found: list[nn.Module] = []
+    for m in model.modules():
+        for name in ("blocks", "decoder_blocks"):
+            container = getattr(m, name, None)
+            if isinstance(container, (nn.ModuleList, nn.Sequential)):
+                found.extend(container)
+    return found
+
+
 def checkpoints_block(fraction: float, index: int, count: int) -> bool:
     """Whether block `index` of `count` recomputes its activations in backward when `fraction` of them do.
 

@@ -10,8 +10,9 @@ GPU defaults (`deepspeed_config`, `build_engine`):
   all-reduce or reduce-scatter sums N ranks' gradients with 8 mantissa bits, the error torchtitan and
   FSDP's `reduce_dtype=float32` avoid; it doubles the reduction's bytes, which `overlap_comm` hides
   behind the backward pass (on for ZeRO 1-3);
-- `model.compile` wraps the module in torch.compile inside the engine (`engine.compile()`), for every
-  ZeRO stage.
+- `model.compile` compiles each transformer block (`compile_blocks`), for every ZeRO stage; it pays where
+  a block's parameters are whole (ZeRO 0-2): ZeRO-3's gathering hooks on every submodule are
+  `torch.compiler.disable`d, so they break a compiled block into pieces.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.config import StageConfig
-from pipeline.models.layers import set_grad_checkpointing
+from pipeline.models.layers import set_grad_checkpointing, transformer_blocks
 from pipeline.models.param_groups import param_groups
 
 
@@ -162,6 +163,21 @@ def deepspeed_config(cfg: StageConfig, world_size: int, use_gpu: bool, num_param
     }
 
 
+def compile_blocks(module: nn.Module) -> int:
+    """torch.compile each transformer block in place (`nn.Module.compile`); returns how many.
+
+    Per block, as torchtitan does, not the whole model: identical blocks share one compiled graph (torch
+    2.5+ treats a module's parameters as graph inputs), so ViT-H's 32 blocks compile once; the code between
+    blocks (embedding, masking, heads) stays eager, where shapes and Python control flow change per step
+    (MAE's masking, patch dropout) and would recompile. Activation checkpointing wraps the compiled block.
+    State dict keys do not change.
+    """
+    blocks = transformer_blocks(module)
+    for block in blocks:
+        block.compile()
+    return len(blocks)
+
+
 def lr_multiplier(step: int, warmup: int, total: int, schedule: str) -> float:
     """Linear warmup from 0, then cosine / linear decay to 0, or constant."""
     if step < warmup:
@@ -203,9 +219,9 @@ def build_engine(model: nn.Module, cfg: StageConfig, ctx: DistContext):
         dist_init_required=False,
     )
     if cfg.model.compile:
-        # nn.Module.compile in place: the engine's hooks (ZeRO-3 parameter gathering) stay outside the
-        # compiled graph; objectives call the engine as before.
-        engine.compile()
+        compiled = compile_blocks(engine.module)
+        if not compiled:
+            raise ValueError(f"model.compile: {cfg.model.name} has no transformer blocks to compile")
     return engine, optimizer, lr_scheduler
 
 
