@@ -197,9 +197,11 @@ def run_training(t: Train, gpu: bool) -> dict:
     import torch
 
     from pipeline.hardware import peak_flops
+    from pipeline.models.layers import checkpointed_fraction
     from pipeline.train.loop import train_step
 
     cfg, ctx, engine, objective, flops = _build(t, gpu)
+    recomputed = checkpointed_fraction(engine.module)  # the blocks' share that runs its forward twice
     g = torch.Generator(device=ctx.device).manual_seed(0)
     batch = {
         "image": torch.randint(
@@ -262,12 +264,13 @@ def run_training(t: Train, gpu: bool) -> dict:
         "final_loss": final,
         "forward_flops_per_image": flops,
         "peak_tflops": None if peak is None else peak / 1e12,
+        "checkpointed_fraction": recomputed,
         "host_syncs_in_timed_steps": len(syncs),
         "host_sync_examples": sorted(set(syncs))[:5],
     }
     if peak and flops:
         out["mfu"] = 3 * flops * images_per_s / peak
-        out["hfu"] = (3 + t.checkpointing) * flops * images_per_s / peak
+        out["hfu"] = (3 + recomputed) * flops * images_per_s / peak
     if gpu:
         out["peak_memory_gib"] = torch.cuda.max_memory_allocated(ctx.device) / 2**30
     return out
@@ -316,7 +319,9 @@ def run_loader(
         it, to_device = _device_batches(loader, cfg.data, img, device, gpu)
     else:
         it, to_device = iter(loader), batch_to_device(device, cfg.data, img)
-    for _ in range(2):  # workers started, first batches in flight
+    # Past what is made ahead before timing starts: each worker's prefetch_factor (2) batches and the
+    # prefetch thread's queue (2) and batch in hand; the timed batches are then made while timed.
+    for _ in range(2 * workers + 3 + 2):
         to_device(next(it))
     if gpu:
         torch.cuda.synchronize()
@@ -384,13 +389,13 @@ def child(kind: str, spec: dict, result_path: Path) -> None:
             result = run_loader(*(spec[k] for k in args))
         else:
             result = run_fed_training(spec["data"], Train(**spec["train"]), spec["gpu"], spec["workers"])
-        atomic.write_json(result_path, {"status": "done", **result})
     except BaseException as exc:
         lines = "".join(traceback.format_exception(exc)).rstrip().splitlines()
         atomic.write_json(result_path, {"status": "failed", "error": lines[-12:]})
-        raise
-    finally:
-        shutdown_distributed()  # one rank: nothing to wait for; NCCL warns of a group never destroyed
+        raise  # no group destroy after a failure: after a CUDA error NCCL's teardown can hang
+    # Destroyed on success (engine.shutdown_distributed's rule), else NCCL warns that it never was.
+    shutdown_distributed()
+    atomic.write_json(result_path, {"status": "done", **result})
 
 
 # ---------------------------------------------------------------------- the orchestrating process
@@ -506,6 +511,7 @@ def main() -> None:
         if out:
             atomic.write_json(Path(out), result, indent=2)
 
+    write()  # a file from the start: a run killed during its first case still says what it was to run
     tmp = tempfile.TemporaryDirectory()
     data_root = str(Path(tmp.name) / "jpegs")
     data_state: dict | None = None
@@ -553,7 +559,7 @@ def _spec(case: Case, gpu: bool, data_root: str, workers: int, dry: bool) -> dic
     if case.kind == "train":
         return {"train": asdict(t), "gpu": gpu}
     if case.kind == "loader":
-        batch, img, batches = (256, 224, 12) if gpu else (8, 32, 3)
+        batch, img, batches = (256, 224, 24) if gpu else (8, 32, 3)
         return {
             "decode": case.decode,
             "data": data_root,

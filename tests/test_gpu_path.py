@@ -31,7 +31,12 @@ from pipeline.data.transforms import crop_resize_flip, crop_resize_flip_batch
 from pipeline.hardware import peak_flops
 from pipeline.models import create_model
 from pipeline.models.flops import flops_per_image
-from pipeline.models.layers import checkpoints_block, set_grad_checkpointing, transformer_blocks
+from pipeline.models.layers import (
+    checkpointed_fraction,
+    checkpoints_block,
+    set_grad_checkpointing,
+    transformer_blocks,
+)
 from pipeline.train.engine import compile_blocks
 from pipeline.train.loop import _flops_per_image, _shutdown_loader
 
@@ -132,6 +137,23 @@ def test_checkpointed_blocks_are_spread_and_counted():
                 assert max(gaps) - min(gaps) <= 1, (count, fraction, chosen)
     with pytest.raises(ValueError, match=r"in \[0, 1\], got 1.5"):
         set_grad_checkpointing(create_model("vit_debug"), 1.5)
+
+
+@pytest.mark.parametrize(
+    "name, shares",
+    [
+        ("vit_debug", [0.0, 0.25, 0.5, 1.0]),
+        ("mae_vit_debug", [0.0, 1 / 6, 0.5, 1.0]),  # 4 encoder blocks, 2 decoder blocks: 1 + 0, 2 + 1 of 6
+        ("swin_debug", [0.0, 0.0, 3 / 7, 1.0]),  # stages of 2, 2, 2 and 1 blocks: a quarter of 2 is none
+        ("levit_debug", [0.0, 0.2, 0.4, 1.0]),  # its stages' 5 layers together, downsampling included
+    ],
+)
+def test_hfu_counts_the_blocks_actually_recomputed(name, shares):
+    """perf/hfu's recompute is the share of blocks each part selects, not the configured fraction."""
+    model = create_model(name)
+    for fraction, share in zip((0.0, 0.25, 0.5, 1.0), shares):
+        set_grad_checkpointing(model, fraction)
+        assert checkpointed_fraction(model) == pytest.approx(share), (name, fraction)
 
 
 def test_grad_checkpointing_config_takes_a_fraction_or_a_flag_and_names_the_old_key(tmp_path):

@@ -28,6 +28,7 @@ from pipeline.config import ConfigError, load_config, validate_config
 from pipeline.models import create_model
 from pipeline.objectives import build_objective
 from pipeline.stage import model_kwargs
+from pipeline.train import checkpoint
 from pipeline.train.engine import build_engine, consolidated_state_dict, init_distributed
 from pipeline.train.export import export_weights
 from pipeline.train.loop import train_step
@@ -198,3 +199,27 @@ def test_fp16_is_refused_with_what_to_use_instead():
         load_config(
             Path(__file__).parents[1] / "configs/experiments/smoke.yaml", ["deepspeed.precision=fp16"]
         )
+
+
+def test_a_weights_only_resume_under_zero0_bf16_trains_on_from_the_loaded_weights(
+    one_rank, teacher_weights, tmp_path
+):
+    """debug.resume_optimizer: false under ZeRO-0 and bf16: DeepSpeed loads the module's weights but leaves its
+    wrapper's fp32 masters as they were, which the next step would copy back; the resume refreshes them."""
+    cfg = _config("vit_debug", "supervised_softmax", {}, "bf16", 0, teacher_weights)
+    objective = build_objective(cfg.objective)
+    engines = []
+    for seed in (0, 1):  # the saving run, and a fresh run with other initial weights that resumes it
+        torch.manual_seed(seed)
+        engine, _, _ = build_engine(create_model("vit_debug", **model_kwargs(cfg, CLASSES)), cfg, one_rank)
+        engines.append(engine)
+    saving, resuming = engines
+    batches = _batches("supervised_softmax", seed=1)
+    for step in range(2):
+        train_step(saving, objective, batches, lambda b: b, 0, step, 1, 0)
+    saving.save_checkpoint(str(tmp_path), tag="step_2")
+    saved = {k: p.detach().float().clone() for k, p in saving.module.named_parameters()}  # bf16 weights
+    checkpoint._load(resuming, tmp_path, tmp_path / "step_2", None, load_optimizer=False)
+    masters = consolidated_state_dict(resuming)
+    for k, v in saved.items():
+        torch.testing.assert_close(masters[k], v, msg=f"{k}: the fp32 master is not the loaded weight")

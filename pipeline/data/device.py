@@ -18,8 +18,10 @@ waits on an event for the batch, never the host. It also measures, with CUDA eve
 stream sat idle between one step's last kernel and the next batch's first: `data/gpu_idle_fraction`,
 beside the host's `data/wait_fraction`.
 
-A JPEG the GPU cannot decode (a body corrupt past its header) is replaced by another image of the same
-batch and counted in the batch's "skipped", as the workers count the samples they cannot read.
+A JPEG the GPU decoder refuses (its call raises: a header or stream it cannot parse) is replaced by another
+image of the same batch and counted in the batch's "skipped", as the workers count the samples they cannot
+read. nvJPEG's batched decoder may decode a body corrupt past its header to garbage without an error:
+those are not seen here (`vitpipe shard verify` decodes every image of a dataset on the CPU).
 The decoder is a parameter, so tests run this path, prefetcher included, on the CPU with a PIL decoder in
 nvJPEG's place (`tests/test_gpu_path.py`); `bench/gpu.py` runs it on a GPU.
 """

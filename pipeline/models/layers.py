@@ -92,6 +92,36 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     return found
 
 
+def checkpointed_fraction(model: nn.Module) -> float:
+    """The share of `model`'s transformer blocks that recompute in backward as its parts are set now (for
+    HFU): each container of blocks counted as its part selects them, so a Swin stage of two blocks at 0.25
+    recomputes none. A part's policy is its own `grad_checkpointing` or, for a stage that takes it from the
+    model (Swin), the nearest enclosing one's. A model that selects otherwise says so itself (LeViT's
+    `checkpointed_fraction`: its stages' layers together, downsampling included)."""
+    own = getattr(model, "checkpointed_fraction", None)
+    if callable(own):
+        return own()
+    modules = dict(model.named_modules())
+    chosen = total = 0
+    for name, module in modules.items():
+        for attr in ("blocks", "decoder_blocks"):
+            container = getattr(module, attr, None)
+            if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+                continue
+            owner, policy = name, 0.0
+            while True:  # the part itself, then its enclosing modules
+                holder = modules[owner]
+                if hasattr(holder, "grad_checkpointing"):
+                    policy = float(holder.grad_checkpointing)
+                    break
+                if not owner:
+                    break
+                owner = owner.rpartition(".")[0]
+            total += len(container)
+            chosen += sum(checkpoints_block(policy, i, len(container)) for i in range(len(container)))
+    return chosen / total if total else 0.0
+
+
 def checkpoints_block(fraction: float, index: int, count: int) -> bool:
     """Whether block `index` of `count` recomputes its activations in backward when `fraction` of them do.
 

@@ -433,6 +433,11 @@ class Levit(nn.Module):
 
     # ------------------------------------------------------------------ forward
 
+    def checkpointed_fraction(self) -> float:
+        """The share of the layers `forward_features` recomputes in backward (see layers.checkpointed_fraction)."""
+        n = sum(len(stage.layers()) for stage in self.stages)
+        return sum(checkpoints_block(self.grad_checkpointing, i, n) for i in range(n)) / n
+
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-2:] != (self.img_size, self.img_size):
             raise ValueError(

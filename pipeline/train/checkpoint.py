@@ -303,6 +303,18 @@ def _remote_tags(store: Store | None, rank: int, group, broadcast: bool = True) 
 
 
 def _load(engine, ckpt_dir: Path, tag_dir: Path, universal: Path | None, load_optimizer: bool):
+    loaded = _load_tag(engine, ckpt_dir, tag_dir, universal, load_optimizer)
+    refresh = getattr(engine.optimizer, "refresh_fp32_params", None)
+    if not load_optimizer and engine.zero_optimization_stage() == 0 and refresh is not None:
+        # ZeRO-0 under bf16: DeepSpeed's wrapper steps fp32 master copies and copies them into the module. A
+        # load without the optimizer states sets the module's weights only and leaves the masters at their
+        # initial values (DeepSpeed refreshes them only for load_module_only), so the next step would put
+        # the initial weights back. The masters are taken from the loaded weights.
+        refresh()
+    return loaded
+
+
+def _load_tag(engine, ckpt_dir: Path, tag_dir: Path, universal: Path | None, load_optimizer: bool):
     if universal is None:
         return engine.load_checkpoint(
             str(ckpt_dir),

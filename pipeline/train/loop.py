@@ -38,6 +38,7 @@ from pipeline.data.sources import dataset_info
 from pipeline.hardware import peak_flops
 from pipeline.models import create_model
 from pipeline.models.flops import estimate_mfu, flops_per_image
+from pipeline.models.layers import checkpointed_fraction
 from pipeline.objectives import build_objective
 from pipeline.stage import init_weights, model_kwargs, open_stage, output_classes
 from pipeline.train import checkpoint
@@ -290,9 +291,9 @@ def train(
 
     # -- tracking (rank 0 only): a resumed stage continues its MLflow run
     peak = _peak_flops(cfg, ctx.device)
-    # Training = 3 x forward (model FLOPs, MFU); activation checkpointing runs the forward of the fraction
-    # of blocks it checkpoints again (hardware FLOPs; the blocks hold nearly all of them).
-    recompute = cfg.model.grad_checkpointing
+    # Training = 3 x forward (model FLOPs, MFU); activation checkpointing runs the forward of the blocks it
+    # checkpoints again (hardware FLOPs; the blocks hold nearly all of them): the share it selects.
+    recompute = checkpointed_fraction(engine.module)
     derived = {
         "derived.global_batch": global_batch,
         "derived.lr": scaled_lr(cfg, ctx.world_size),
@@ -325,89 +326,95 @@ def train(
         t0 = t_log = t_print = time.perf_counter()
         steps_since_log, last_printed, data_wait = 0, None, 0.0
         stopped_early = interrupted = False
-        for step in range(start, cfg.optim.steps):
-            _maybe_kill(cfg, ctx.rank, step + 1, run_path)
-            if cfg.debug.step_delay_s:
-                time.sleep(cfg.debug.step_delay_s)
-            loss, metrics, batch, waited = train_step(
-                engine, objective, batches, to_device, cfg.seed, step, accum, ctx.rank
-            )
-            done = step + 1
-            steps_since_log += 1
-            data_wait += waited
-            log_step = done % cfg.tracking.log_every == 0 or done == cfg.optim.steps
-            if log_step:
-                # The only host syncs, every log_every steps: the loss and skipped samples summed over ranks
-                # in one call, the metrics read, and the ranks agree on stop requests (a CPU flag).
-                packed = torch.stack(
-                    [loss.detach().float(), torch.tensor(float(batch["skipped"]), device=ctx.device)]
+        try:
+            for step in range(start, cfg.optim.steps):
+                _maybe_kill(cfg, ctx.rank, step + 1, run_path)
+                if cfg.debug.step_delay_s:
+                    time.sleep(cfg.debug.step_delay_s)
+                loss, metrics, batch, waited = train_step(
+                    engine, objective, batches, to_device, cfg.seed, step, accum, ctx.rank
                 )
-                dist.all_reduce(packed)
-                last_loss = packed[0].item() / ctx.world_size
-                losses.append(last_loss)
-                now = time.perf_counter()
-                elapsed = now - t_log
-                training_s = max(elapsed - ckpt_seconds[0], 1e-9)  # checkpoint saves left out
-                # decode cuda: GPU idle between batches (CUDA events, read after the sync above)
-                gpu_idle = batches.gpu_idle_seconds() if isinstance(batches, Prefetcher) else None
-                images_per_s = steps_since_log * global_batch / training_s
-                values = {
-                    "train/loss": last_loss,  # mean over ranks
-                    "train/lr": lr_scheduler.get_last_lr()[0],
-                    "train/images_per_s": images_per_s,
-                    "data/skipped_samples": packed[1].item(),
-                    **({"data/epoch": float(batch["epoch"])} if "epoch" in batch else {}),  # rank 0's stream
-                    # rank 0's time getting batches (loader wait, copy or GPU decode; decode cuda: the wait for
-                    # the prefetch thread's decode), a fraction of the interval
-                    "data/wait_fraction": min(1.0, data_wait / training_s),
-                    **{f"train/{k}": v.item() for k, v in metrics.items()},
-                }
-                if gpu_idle is not None:  # the GPU's side of data/wait_fraction: idle between batches
-                    values["data/gpu_idle_fraction"] = min(1.0, gpu_idle / training_s)
-                gnorm = engine.get_global_grad_norm()
-                if gnorm is not None:
-                    values["train/grad_norm"] = float(gnorm)
-                if flops_img:
-                    per_device = images_per_s / ctx.world_size
-                    model_flops = 3 * flops_img  # training = 3x forward (flops_per_train_step)
-                    values["perf/tflops_per_device"] = model_flops * per_device / 1e12
-                    if peak:
-                        values["perf/mfu"] = estimate_mfu(model_flops, per_device, peak)
-                        hardware_flops = (3 + recompute) * flops_img
-                        values["perf/hfu"] = estimate_mfu(hardware_flops, per_device, peak)
-                tracker.log_metrics(values, step=done)
-                t_log, steps_since_log, data_wait, ckpt_seconds[0] = now, 0, 0.0, 0.0
-                if ctx.is_main and progress_due(done, cfg.optim.steps, last_printed, now - t_print):
-                    last_printed, t_print = done, now
-                    rate = (done - start) / (now - t0)
-                    eta = (cfg.optim.steps - done) / max(rate, 1e-9)
-                    print(
-                        f"step {done}/{cfg.optim.steps} loss {last_loss:.4f} {rate:.2f} steps/s eta {eta:.0f}s",
-                        flush=True,
+                done = step + 1
+                steps_since_log += 1
+                data_wait += waited
+                log_step = done % cfg.tracking.log_every == 0 or done == cfg.optim.steps
+                if log_step:
+                    # The only host syncs, every log_every steps: the loss and skipped samples summed over ranks
+                    # in one call, the metrics read, and the ranks agree on stop requests (a CPU flag).
+                    packed = torch.stack(
+                        [loss.detach().float(), torch.tensor(float(batch["skipped"]), device=ctx.device)]
                     )
-            if log_step:  # a stop request waits for the next log step: no collective in between
-                interrupted = not checkpoint.all_agree(not stop.requested, ctx.control_group)
-            if interrupted or done == cfg.debug.stop_at_step:
-                save(done)
-                tracker.status = "KILLED"
-                stopped_early = True
-                if ctx.is_main:
-                    print(
-                        f"stopped at step {done}: checkpoint {ckpt_dir / checkpoint.tag_for(done)}",
-                        flush=True,
-                    )
-                # A signal ends the process (torchrun, a scheduler); a STOP file ends the stage cleanly (Ray).
-                if interrupted and not checkpoint.all_agree(not stop.signalled, ctx.control_group):
-                    stop.restore()
-                    _shutdown_loader(batches)
-                    raise SystemExit(128 + signal.SIGTERM)
-                break
-            if (
-                cfg.checkpoint.every_steps
-                and done % cfg.checkpoint.every_steps == 0
-                and done < cfg.optim.steps
-            ):
-                save(done)
+                    dist.all_reduce(packed)
+                    last_loss = packed[0].item() / ctx.world_size
+                    losses.append(last_loss)
+                    now = time.perf_counter()
+                    elapsed = now - t_log
+                    training_s = max(elapsed - ckpt_seconds[0], 1e-9)  # checkpoint saves left out
+                    # decode cuda: GPU idle between batches (CUDA events, read after the sync above)
+                    gpu_idle = batches.gpu_idle_seconds() if isinstance(batches, Prefetcher) else None
+                    images_per_s = steps_since_log * global_batch / training_s
+                    values = {
+                        "train/loss": last_loss,  # mean over ranks
+                        "train/lr": lr_scheduler.get_last_lr()[0],
+                        "train/images_per_s": images_per_s,
+                        "data/skipped_samples": packed[1].item(),
+                        **(
+                            {"data/epoch": float(batch["epoch"])} if "epoch" in batch else {}
+                        ),  # rank 0's stream
+                        # rank 0's time getting batches (loader wait, copy or GPU decode; decode cuda: the wait for
+                        # the prefetch thread's decode), a fraction of the interval
+                        "data/wait_fraction": min(1.0, data_wait / training_s),
+                        **{f"train/{k}": v.item() for k, v in metrics.items()},
+                    }
+                    if gpu_idle is not None:  # the GPU's side of data/wait_fraction: idle between batches
+                        values["data/gpu_idle_fraction"] = min(1.0, gpu_idle / training_s)
+                    gnorm = engine.get_global_grad_norm()
+                    if gnorm is not None:
+                        values["train/grad_norm"] = float(gnorm)
+                    if flops_img:
+                        per_device = images_per_s / ctx.world_size
+                        model_flops = 3 * flops_img  # training = 3x forward (flops_per_train_step)
+                        values["perf/tflops_per_device"] = model_flops * per_device / 1e12
+                        if peak:
+                            values["perf/mfu"] = estimate_mfu(model_flops, per_device, peak)
+                            hardware_flops = (3 + recompute) * flops_img
+                            values["perf/hfu"] = estimate_mfu(hardware_flops, per_device, peak)
+                    tracker.log_metrics(values, step=done)
+                    t_log, steps_since_log, data_wait, ckpt_seconds[0] = now, 0, 0.0, 0.0
+                    if ctx.is_main and progress_due(done, cfg.optim.steps, last_printed, now - t_print):
+                        last_printed, t_print = done, now
+                        rate = (done - start) / (now - t0)
+                        eta = (cfg.optim.steps - done) / max(rate, 1e-9)
+                        print(
+                            f"step {done}/{cfg.optim.steps} loss {last_loss:.4f} {rate:.2f} steps/s eta {eta:.0f}s",
+                            flush=True,
+                        )
+                if log_step:  # a stop request waits for the next log step: no collective in between
+                    interrupted = not checkpoint.all_agree(not stop.requested, ctx.control_group)
+                if interrupted or done == cfg.debug.stop_at_step:
+                    save(done)
+                    tracker.status = "KILLED"
+                    stopped_early = True
+                    if ctx.is_main:
+                        print(
+                            f"stopped at step {done}: checkpoint {ckpt_dir / checkpoint.tag_for(done)}",
+                            flush=True,
+                        )
+                    # A signal ends the process (torchrun, a scheduler); a STOP file ends the stage cleanly (Ray).
+                    if interrupted and not checkpoint.all_agree(not stop.signalled, ctx.control_group):
+                        stop.restore()
+                        _shutdown_loader(batches)
+                        raise SystemExit(128 + signal.SIGTERM)
+                    break
+                if (
+                    cfg.checkpoint.every_steps
+                    and done % cfg.checkpoint.every_steps == 0
+                    and done < cfg.optim.steps
+                ):
+                    save(done)
+        except BaseException:  # the prefetch thread and the loader's workers do not outlive a failed stage
+            _shutdown_loader(batches)
+            raise
         stop.restore()
         _shutdown_loader(batches)
 
