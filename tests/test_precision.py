@@ -15,7 +15,6 @@ the reference. fp16 is refused by the config (DeepSpeed cannot run it on a CPU, 
 from __future__ import annotations
 
 import math
-import os
 import socket
 from pathlib import Path
 
@@ -76,16 +75,11 @@ def one_rank():
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
     }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    ctx = init_distributed(use_gpu=False)
-    yield ctx
-    dist.destroy_process_group()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        yield init_distributed(use_gpu=False)
+        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
