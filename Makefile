@@ -46,8 +46,9 @@ TEST_WORKERS ?= 5
 test: setup
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
+# Single-process tests without the slow ones (the bench dry run, ZeRO-3 sweeps, compiling): under 4 minutes.
 test-fast: setup
-	$(PY) -m pytest tests -m "unit"
+	$(PY) -m pytest tests -m "unit and not slow and not dist"
 
 lint: setup
 	$(VENV)/bin/ruff check .
