@@ -421,10 +421,12 @@ from pipeline.data.sources import dataset_info
 info = dataset_info(sys.argv[1], "train")
 loader = make_train_loader(info, DataConfig(train=sys.argv[1], batch_size=4, num_workers=2), rank=0, world_size=1,
                            img_size=16, seed=0)
+signal.signal(signal.SIGTERM, lambda *a: print("rank got SIGTERM", flush=True))
 batches = iter(loader)
+if sys.argv[2] == "group-sigterm-at-start":  # while the workers may still be starting
+    os.killpg(os.getpgrp(), signal.SIGTERM)
 next(batches)
-if sys.argv[2] == "group-sigterm":
-    signal.signal(signal.SIGTERM, lambda *a: print("rank got SIGTERM", flush=True))
+if sys.argv[2].startswith("group-sigterm"):
     os.killpg(os.getpgrp(), signal.SIGTERM)
     for _ in range(6):  # both workers still answer
         next(batches)
@@ -434,7 +436,7 @@ else:
 """
 
 
-@pytest.mark.parametrize("case", ["group-sigterm", "error"])
+@pytest.mark.parametrize("case", ["group-sigterm", "group-sigterm-at-start", "error"])
 def test_loader_workers_outlive_a_group_sigterm_and_never_hold_an_exiting_process(even, tmp_path, case):
     script = tmp_path / "signals.py"
     script.write_text(_SIGNALS_SCRIPT)
@@ -447,7 +449,7 @@ def test_loader_workers_outlive_a_group_sigterm_and_never_hold_an_exiting_proces
         start_new_session=True,
         cwd=Path(__file__).parents[1],
     )
-    if case == "group-sigterm":
+    if case.startswith("group-sigterm"):
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "rank got SIGTERM" in proc.stdout and "batches after SIGTERM" in proc.stdout
     else:

@@ -23,6 +23,7 @@ augmentation and skip budget; the call gives what differs per rank and per run.
 from __future__ import annotations
 
 import os
+import signal
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
@@ -41,10 +42,32 @@ def _own_process_group(worker_id: int) -> None:
     # signal instead made an exiting process whose loader was left running (after an error) wait forever,
     # since multiprocessing ends daemonic children at exit with SIGTERM, then joins them.
     os.setpgrp()
+    # The worker started with SIGTERM blocked (`_Loader`): one sent to the rank's group before the line above
+    # is pending here. Take it off (sigtimedwait, Linux; elsewhere it is delivered as before this change),
+    # then take SIGTERM again, with the handler torch's worker loop installed (its parent's SIGTERM ends it).
+    if hasattr(signal, "sigtimedwait"):
+        signal.sigtimedwait({signal.SIGTERM}, 0)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
+class _Loader(DataLoader):
+    """A DataLoader whose workers start with SIGTERM blocked, until they have left the rank's process group
+    (`_own_process_group`): a group-wide SIGTERM while a worker was still starting killed it, and the rank
+    failed with "DataLoader worker exited unexpectedly" instead of checkpointing (seen under a loaded CI)."""
+
+    def __iter__(self):
+        if self.num_workers == 0:
+            return super().__iter__()
+        # Per thread (Ray Train's loop thread too); forked workers inherit this thread's mask.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            return super().__iter__()
+        finally:  # a SIGTERM to the rank meanwhile is delivered here, to its own handler
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def _data_loader(stream: IterableDataset, num_workers: int, seed: int, **kw) -> DataLoader:
-    return DataLoader(
+    return _Loader(
         stream,
         batch_size=None,  # batches are built in the workers
         num_workers=num_workers,
