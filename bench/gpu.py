@@ -16,8 +16,8 @@ Loader cases: 500x375 JPEG shards (`data_prep.synthetic`, built first, inside th
 on the device with CPU decode (PIL in the workers) and CUDA decode (nvJPEG, prefetched a step ahead); then
 ViT-B/16 training fed by the CUDA-decode loader, with the host's wait and the GPU's idle fraction.
 
-Each case runs in its own process (clean memory counters, no engine left over) under a time cap, and the
-whole run under `--budget-s` (default 420 s, dataset building included): a case that would start with less
+Each case runs in its own process (clean memory counters, no engine left over) under a time cap (on a GPU:
+the caps are an H200's; CPU runs have only the budget), and the whole run under `--budget-s` (default 420 s, dataset building included): a case that would start with less
 than MIN_CASE_S left is skipped. The JSON is rewritten (atomically) after every case, each case marked
 done, failed (with the exception's last lines) or skipped, so a run killed at its limit keeps what it did.
 docs/gpu.md gives the arithmetic of the default run's time and the goals:
@@ -525,7 +525,7 @@ def main() -> None:
                     data_state = {"status": "skipped", "reason": f"{left:.0f} s of the budget left"}
                 else:
                     spec = {"data": data_root, "num": JPEGS if gpu else 64}
-                    data_state = run_case("data", spec, timeout=min(60.0, left))
+                    data_state = run_case("data", spec, timeout=min(60.0, left) if gpu else left)
                 result["dataset"] = data_state
                 left = deadline - time.perf_counter()
             if needs_data and data_state.get("status") != "done":
@@ -535,7 +535,9 @@ def main() -> None:
                 result["cases"][name] = {"status": "skipped", "reason": f"{left:.0f} s of the budget left"}
             else:
                 result["cases"][name] = run_case(
-                    case.kind, _spec(case, gpu, data_root, workers, args.dry_run), min(case.cap_s, left)
+                    case.kind,
+                    _spec(case, gpu, data_root, workers, args.dry_run),
+                    min(case.cap_s, left) if gpu else left,
                 )
             r = result["cases"][name]
             write()
