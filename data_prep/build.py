@@ -220,6 +220,8 @@ def _finish(
         num_errors=report.num_errors,
         # Only a source that stores masks (synthetic --layout) has this: the other sources leave it out.
         segmentation_classes=getattr(source, "segmentation_classes", None),
+        # Sources that store boxes: synthetic --layout, and a manifest with a boxes column.
+        detection_classes=getattr(source, "detection_classes", None),
     )
     write_manifest(root, manifest)  # last: its presence marks the dataset complete
     report.manifest = manifest

@@ -1,9 +1,9 @@
 """`vitpipe shard ...`: write a sharded WebDataset corpus in the layout of `data_prep.layout`, or verify one.
 
 vitpipe shard folder DIR OUT [--labels FILE] [--classes NAMES|FILE]
-vitpipe shard manifest FILE OUT [--classes NAMES|FILE]
+vitpipe shard manifest FILE OUT [--classes NAMES|FILE] [--box-classes NAMES|FILE]   # boxes column: detection
 vitpipe shard synthetic OUT --num N --classes C [--labels-per-image 1.3] [--width 500 --height 375]
-vitpipe shard synthetic OUT --num N --layout [--objects 6] [--width 500 --height 375]   # + KEY.seg.png masks
+vitpipe shard synthetic OUT --num N --layout [--objects 6] [--width 500 --height 375]   # + masks, boxes
 vitpipe shard digits OUT [--size 32]
 vitpipe shard verify OUT [--workers N]
 
@@ -195,7 +195,8 @@ def _folder(args: argparse.Namespace) -> int:
 
 
 def _manifest(args: argparse.Namespace) -> int:
-    return _run(ManifestSource(args.file, _class_list(args), seed=args.seed), args)
+    boxes = read_classes(args.box_classes) if args.box_classes else None
+    return _run(ManifestSource(args.file, _class_list(args), seed=args.seed, box_classes=boxes), args)
 
 
 def _synthetic(args: argparse.Namespace) -> int:
@@ -261,7 +262,9 @@ def add_shard_parser(sub) -> argparse.ArgumentParser:
     s.set_defaults(func=_folder)
 
     s = src.add_parser(
-        "manifest", parents=common, help="a Parquet/CSV table: path, label|labels [, split, key]"
+        "manifest",
+        parents=common,
+        help="a Parquet/CSV table: path, label|labels [, split, key] [, boxes, box_labels]",
     )
     s.add_argument(
         "file", help="manifest file (.parquet, .csv, .tsv); relative paths resolve against its folder"
@@ -269,6 +272,11 @@ def add_shard_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("out", help=OUT_HELP)
     s.add_argument(
         "--classes", help="class names in order: a,b,c or a file (one per line); others are rejected"
+    )
+    s.add_argument(
+        "--box-classes",
+        help="detection class names in order (a,b,c or a file) for the boxes column's box_labels; others are "
+        "rejected (default: the distinct box labels, sorted)",
     )
     s.set_defaults(func=_manifest)
 
@@ -290,7 +298,8 @@ def add_shard_parser(sub) -> argparse.ArgumentParser:
         "--layout",
         action="store_true",
         help="the layout corpus: labels say where objects are ({type}_top/_bottom, {type}_left_of_{next}, "
-        "crowded_{tl,tr,bl,br}: 3 * objects + 4 classes) and each image's object mask is stored as KEY.seg.png",
+        "crowded_{tl,tr,bl,br}: 3 * objects + 4 classes) and each image's object mask is stored as KEY.seg.png, "
+        "its objects' boxes and types as KEY.boxes.json",
     )
     s.add_argument(
         "--objects",

@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import ExifTags, Image, ImageOps
 
+from data_prep.layout import BOXES_EXT, boxes_json, check_box
+
 # Pillow format -> the extension a WebDataset decoder keys on. MPO is the multi-picture JPEG
 # that phone cameras write; its bytes are a valid JPEG.
 STORED_FORMATS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "WEBP": "webp"}
@@ -61,7 +63,8 @@ _SIGNATURES = {
 class Rejected(Exception):
     """An input that cannot become a sample. The message is the reason listed in errors.parquet;
     `stage` is where it failed: "read" (getting the bytes or pixels: the loader's own work),
-    "decode", "convert" (mode, orientation, frame, re-encoding) or "resize"."""
+    "decode", "convert" (mode, orientation, frame, re-encoding), "resize" or "boxes" (an annotated box that
+    does not fit the image)."""
 
     def __init__(self, reason: str, stage: str = "decode"):
         super().__init__(reason)
@@ -101,6 +104,9 @@ class Prepared:
     labels: tuple[int, ...] | None = None  # drawn by a generator; None: the item's listed labels
     # More members of the sample, stored after the image: tar member extension -> bytes ({"seg.png": ...})
     extra: dict[str, bytes] = field(default_factory=dict)
+    # The input's size as it stands upright, before any resize (where it differs from width x height);
+    # what a manifest's boxes are checked against and scaled from
+    source_size: tuple[int, int] | None = None
 
 
 def fitted_size(width: int, height: int, resize_max: int | None) -> tuple[int, int]:
@@ -272,7 +278,7 @@ def prepare_encoded(data: bytes, resize_max: int | None, quality: int) -> Prepar
         img = resize_image(img, d.target)  # the target from the full size, not from a drafted one
     with at_stage("convert", f"cannot encode as {_ENCODER[ext]}"):
         out = encode(img, ext, quality)
-    return Prepared(out, ext, img.width, img.height)
+    return Prepared(out, ext, img.width, img.height, source_size=d.upright)
 
 
 def encode_mask(mask: Image.Image, size: tuple[int, int]) -> bytes:
@@ -287,6 +293,32 @@ def encode_mask(mask: Image.Image, size: tuple[int, int]) -> bytes:
     return buf.getvalue()
 
 
+def boxes_member(
+    boxes, source_size: tuple[int, int], stored_size: tuple[int, int], num_classes: int | None = None
+) -> bytes:
+    """The KEY.boxes.json member of an input's objects: `boxes` a sequence of (class, [x, y, w, h]) in the
+    pixels of the input as it stands upright (`source_size`, w x h), checked against it (`layout.check_box`;
+    a bad box rejects the input at stage "boxes", naming the box) and scaled to the stored image's size.
+    `num_classes`: classes are checked below it (None: resolved already, by the listing)."""
+    sx, sy = stored_size[0] / source_size[0], stored_size[1] / source_size[1]
+    out, classes = [], []
+    for i, (cls, box) in enumerate(boxes):
+        try:
+            x, y, w, h = check_box(box, source_size, f"box {i}")
+        except ValueError as exc:
+            raise Rejected(str(exc), "boxes") from None
+        if num_classes is not None and not 0 <= cls < num_classes:
+            raise Rejected(
+                f"box {i} has class index {cls}, outside the {num_classes} detection classes", "boxes"
+            )
+        # clipped to the image: a box up to BOX_TOLERANCE px past an edge is stored inside it
+        x0, y0 = max(x, 0.0), max(y, 0.0)
+        x1, y1 = min(x + w, source_size[0]), min(y + h, source_size[1])
+        out.append([x0 * sx, y0 * sy, (x1 - x0) * sx, (y1 - y0) * sy])
+        classes.append(cls)
+    return boxes_json(out, classes)
+
+
 def prepare_generated(
     img: Image.Image,
     ext: str,
@@ -294,10 +326,14 @@ def prepare_generated(
     quality: int,
     labels: tuple[int, ...] | None = None,
     masks: dict[str, Image.Image] | None = None,
+    boxes=None,
+    num_box_classes: int = 0,
 ) -> Prepared:
     """A generated image: resize if asked, encode in its source's format. `masks` (member extension ->
     an "L" image of the image's size, e.g. {"seg.png": objects}) go into `Prepared.extra` as PNG, at
-    the stored image's size exactly."""
+    the stored image's size exactly; `boxes` ((class, [x, y, w, h]) in the image's pixels, classes below
+    `num_box_classes`) as KEY.boxes.json (`boxes_member`), scaled likewise."""
+    source_size = img.size
     target = fitted_size(img.width, img.height, resize_max)
     with at_stage("convert", f"cannot convert a generated {img.mode} image to 8-bit RGB or L"):
         img = to_stored_mode(img)
@@ -309,4 +345,6 @@ def prepare_generated(
     for member, mask in (masks or {}).items():
         with at_stage("convert", f"cannot store the {member} mask at {img.width}x{img.height}"):
             extra[member] = encode_mask(mask, img.size)
+    if boxes is not None:
+        extra[BOXES_EXT] = boxes_member(boxes, source_size, img.size, num_box_classes)
     return Prepared(data, ext, img.width, img.height, labels, extra)

@@ -7,18 +7,24 @@ OUT/errors.parquet           one row per rejected input: key, source, stage, rea
 OUT/{split}/{name}-{i:06d}.tar   plain WebDataset tar: KEY.jpg|png|webp [+ KEY.seg.png] + KEY.cls (single) or
                              KEY.json (multi); KEY.seg.png, in datasets whose manifest lists
                              `segmentation_classes`: the image's per-pixel class mask, lossless PNG
-                             "L" at the image's size, value i = segmentation_classes[i]
+                             "L" at the image's size, value i = segmentation_classes[i];
+                             + KEY.boxes.json, in datasets whose manifest lists `detection_classes`:
+                             the image's objects, {"boxes": [[x, y, w, h], ...], "classes": [i, ...]},
+                             COCO-style boxes in the stored image's pixels (x, y its top-left corner),
+                             class i = detection_classes[i]; [] for an image without objects
 OUT/.work/{split}/{name}-{i:06d}.json   per-shard sidecar: the plan's fingerprint, size, sha256, index rows;
                              how a re-run of `vitpipe shard` knows a shard is complete and skips it
 
 The manifest is written last: its presence marks the dataset complete. Fields added after format
-version 1 (`name`, `num_inputs`, `num_errors`, `segmentation_classes`) have defaults, so older manifests
-still read; `segmentation_classes` is left out of manifest.json when a dataset has no masks.
+version 1 (`name`, `num_inputs`, `num_errors`, `segmentation_classes`, `detection_classes`) have defaults, so
+older manifests still read; `segmentation_classes` (`detection_classes`) is left out of manifest.json when a
+dataset has no masks (boxes).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 
@@ -56,6 +62,68 @@ def mask_problem(mask, image_size: tuple[int, int] | None, num_classes: int) -> 
             f"({MASK_IGNORE} marks ignored pixels)"
         )
     return None
+
+
+# A sample's objects: the tar member KEY.boxes.json (manifest.json: detection_classes).
+BOXES_EXT = "boxes.json"
+BOX_TOLERANCE = 0.5  # px a box may reach past the image's edge: rounding in a user's own annotations
+
+
+def parse_boxes(data: bytes | str, image_size: tuple[int, int] | None, num_classes: int):
+    """A KEY.boxes.json member -> (boxes [[x, y, w, h], ...] in pixels, classes [i, ...]), checked: a JSON
+    object with "boxes" and "classes" lists of one length, every box 4 finite numbers with w, h > 0 inside
+    the image of `image_size` (w, h; None: not checked, up to BOX_TOLERANCE px past an edge), every class
+    below num_classes. Raises ValueError naming the box and what was expected. The one check of `vitpipe
+    shard verify`, the writers and the training and eval loaders."""
+    try:
+        doc = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{BOXES_EXT} is not valid JSON ({exc})") from None
+    if (
+        not isinstance(doc, dict)
+        or not isinstance(doc.get("boxes"), list)
+        or not isinstance(doc.get("classes"), list)
+    ):
+        raise ValueError(f'{BOXES_EXT} must be {{"boxes": [[x, y, w, h], ...], "classes": [i, ...]}}')
+    boxes, classes = doc["boxes"], doc["classes"]
+    if len(boxes) != len(classes):
+        raise ValueError(f"{BOXES_EXT} has {len(boxes)} boxes and {len(classes)} classes: one class per box")
+    out = []
+    for i, (box, cls) in enumerate(zip(boxes, classes)):
+        out.append(check_box(box, image_size, f"{BOXES_EXT} box {i}"))
+        if isinstance(cls, bool) or not isinstance(cls, int) or not 0 <= cls < num_classes:
+            raise ValueError(
+                f"{BOXES_EXT} box {i} has class {cls!r}, manifest.json lists {num_classes} detection_classes"
+            )
+    return out, [int(c) for c in classes]
+
+
+def check_box(box, image_size: tuple[int, int] | None, what: str) -> list[float]:
+    """One COCO-style [x, y, w, h] box in pixels, checked (see `parse_boxes`) -> 4 floats."""
+    if not isinstance(box, list | tuple) or len(box) != 4:
+        raise ValueError(f"{what} is {box!r}, expected [x, y, w, h] in pixels")
+    try:
+        x, y, w, h = (float(v) for v in box)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} is {box!r}, expected 4 numbers [x, y, w, h]") from None
+    if not all(math.isfinite(v) for v in (x, y, w, h)) or w <= 0 or h <= 0:
+        raise ValueError(f"{what} is {box!r}: w and h must be > 0 and every value finite")
+    if image_size is not None:
+        width, height = image_size
+        t = BOX_TOLERANCE
+        if x < -t or y < -t or x + w > width + t or y + h > height + t:
+            raise ValueError(
+                f"{what} [x={x:g}, y={y:g}, w={w:g}, h={h:g}] is outside the {width}x{height} image "
+                "(COCO-style: x, y the top-left corner, in the image's pixels)"
+            )
+    return [x, y, w, h]
+
+
+def boxes_json(boxes, classes) -> bytes:
+    """The KEY.boxes.json member of `boxes` ([x, y, w, h] pixels) and their `classes`; values rounded to
+    1/100 px, so a member's bytes do not depend on float noise."""
+    rounded = [[round(float(v), 2) for v in b] for b in boxes]
+    return json.dumps({"boxes": rounded, "classes": [int(c) for c in classes]}).encode()
 
 
 class DatasetError(ValueError):
@@ -98,6 +166,8 @@ class Manifest:
     num_errors: int = 0  # inputs rejected; listed in errors.parquet
     # The mask values' names (["background", ...]) where every sample has a KEY.seg.png mask, else None
     segmentation_classes: list[str] | None = None
+    # The object classes of KEY.boxes.json where every sample has one (detection), else None
+    detection_classes: list[str] | None = None
 
     @property
     def totals(self) -> dict[str, int]:
@@ -113,6 +183,8 @@ class Manifest:
         d = asdict(self)
         if d["segmentation_classes"] is None:  # no masks: manifest.json as it was before masks existed
             del d["segmentation_classes"]
+        if d["detection_classes"] is None:  # no boxes: likewise
+            del d["detection_classes"]
         d["totals"] = self.totals
         return json.dumps(d, indent=2)
 
@@ -153,6 +225,7 @@ def read_manifest(root: Root) -> Manifest:
     try:
         shards = [ShardInfo(**s) for s in d["shards"]]
         segmentation = d.get("segmentation_classes")  # absent: a dataset without masks
+        detection = d.get("detection_classes")  # absent: a dataset without boxes
         return Manifest(
             classes=list(d["classes"]),
             multi_label=bool(d["multi_label"]),
@@ -163,6 +236,7 @@ def read_manifest(root: Root) -> Manifest:
             num_inputs=int(d.get("num_inputs", 0)),
             num_errors=int(d.get("num_errors", 0)),
             segmentation_classes=None if segmentation is None else [str(c) for c in segmentation],
+            detection_classes=None if detection is None else [str(c) for c in detection],
         )
     except (KeyError, TypeError) as exc:
         raise DatasetError(f"{path}: manifest lacks or misshapes a field ({exc})") from None

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from data_prep.keys import order_hash, split_for
-from data_prep.layout import shard_rel
+from data_prep.layout import BOXES_EXT, shard_rel
 from data_prep.sources import Item, ListingError, Source
 from data_prep.tario import archive_bytes, member_bytes
 
@@ -62,6 +62,11 @@ class ErrorLog:
                 yield tuple(json.loads(line))
 
 
+def _boxes_list(boxes) -> list:
+    """An item's boxes as JSON lists: [[class, [x, y, w, h]], ...]."""
+    return [[c, list(b)] for c, b in boxes]
+
+
 class HashOrder:
     """External sort of a listing by `order_hash(seed, key)`; drops later duplicates of a key as errors."""
 
@@ -81,6 +86,8 @@ class HashOrder:
                 if b not in files:
                     files[b] = open(self.folder / f"{b:03d}.jsonl", "w")
                 row = [h, it.key, pos, it.source, list(it.labels), it.est_bytes, it.stamp, it.split]
+                if it.boxes is not None:
+                    row.append(_boxes_list(it.boxes))
                 files[b].write(json.dumps(row) + "\n")
                 n += 1
         finally:
@@ -101,7 +108,8 @@ class HashOrder:
                     yield ListingError(r[1], r[3], f"duplicate key {r[1]!r} (kept {previous[3]})")
                     continue
                 previous = r
-                yield Item(r[1], r[3], tuple(r[4]), r[5], r[6], r[7])
+                boxes = tuple((c, tuple(b)) for c, b in r[8]) if len(r) > 8 else None
+                yield Item(r[1], r[3], tuple(r[4]), r[5], r[6], r[7], boxes=boxes)
             path.unlink()
         shutil.rmtree(self.folder, ignore_errors=True)
 
@@ -157,7 +165,10 @@ class Planner:
             label = (f"{item.key}.json", len(json.dumps({"labels": list(item.labels)})))
         else:
             label = (f"{item.key}.cls", len(str(item.labels[0])))
-        return member_bytes(f"{item.key}.webp", item.est_bytes) + member_bytes(*label)
+        size = member_bytes(f"{item.key}.webp", item.est_bytes) + member_bytes(*label)
+        if item.boxes is not None:  # KEY.boxes.json: about 40 bytes per box
+            size += member_bytes(f"{item.key}.{BOXES_EXT}", 32 + 40 * len(item.boxes))
+        return size
 
     def _close(self, shard: _OpenShard) -> ShardTask:
         path = shard_rel(shard.split, self.name, shard.index)
@@ -166,6 +177,8 @@ class Planner:
             h.update(json.dumps([it.key, it.source, list(it.labels), it.stamp]).encode())
             if it.payload is not None:
                 h.update(it.payload)
+            if it.boxes is not None:  # changed boxes change the shard's KEY.boxes.json
+                h.update(json.dumps(_boxes_list(it.boxes)).encode())
         return ShardTask(
             shard.split, shard.index, path, tuple(shard.items), h.hexdigest(), archive_bytes(shard.members)
         )

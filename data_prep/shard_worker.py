@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from data_prep.dataset_dir import DatasetDir
-from data_prep.images import Prepared, Rejected
-from data_prep.layout import DatasetError, sidecar_rel
+from data_prep.images import Prepared, Rejected, boxes_member
+from data_prep.layout import BOXES_EXT, DatasetError, sidecar_rel
 from data_prep.plan import ShardTask
 from data_prep.shard_file import Sample, write_shard
 from data_prep.sources import Item, Loader
@@ -163,8 +163,18 @@ def write_planned_shard(task: ShardTask, job: ShardJob) -> ShardResult:
                 errors.append([item.key, item.source, img.stage, str(img)])
                 continue
             labels = list(item.labels if img.labels is None else img.labels)
+            extra = img.extra
+            if (
+                item.boxes is not None
+            ):  # a manifest's boxes: checked against the input, scaled to the stored size
+                stored = (img.width, img.height)
+                try:
+                    extra = {**extra, BOXES_EXT: boxes_member(item.boxes, img.source_size or stored, stored)}
+                except Rejected as exc:
+                    errors.append([item.key, item.source, exc.stage, str(exc)])
+                    continue
             yield Sample(
-                item.key, img.data, img.ext, labels, img.width, img.height, task.split, item.source, img.extra
+                item.key, img.data, img.ext, labels, img.width, img.height, task.split, item.source, extra
             )
 
     # Every input rejected: no shard file, the sidecar still records the shard as done.

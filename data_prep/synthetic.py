@@ -14,7 +14,9 @@ Two generators, each deterministic in (seed, index): image i is the same whateve
   of one of type u) and `crowded_{tl,tr,bl,br}` (at least 2 centres in that quadrant): 3 * objects + 4
   classes (`layout_class_names`). Each image also has a per-pixel object mask (`render_layout`): an
   8-bit "L" image of its size, 0 = background, 1 + type index where that type's object is visible,
-  exactly as painted; `segmentation_class_names` names the values. Shards store it as `KEY.seg.png`.
+  exactly as painted; `segmentation_class_names` names the values. Shards store it as `KEY.seg.png`, and
+  each labelled object's box and type as `KEY.boxes.json` (`render_layout_objects`; the detection classes
+  are `layout_type_names`).
 
     vitpipe shard synthetic data/syn --num 100000 --classes 100
     vitpipe shard synthetic data/layout --num 100000 --layout --objects 6
@@ -193,6 +195,14 @@ def render_layout(index: int, seed: int, objects: int, width: int, height: int):
     centre pixel shows their type in the mask: all of them, since no object is placed over an earlier
     centre (after `_PLACEMENT_TRIES` positions that all would, the object is left out). The image and
     the mask are painted with the same shapes, so the mask is exactly what shows."""
+    return render_layout_objects(index, seed, objects, width, height)[:3]
+
+
+def render_layout_objects(index: int, seed: int, objects: int, width: int, height: int):
+    """`render_layout` and the objects' boxes: (image, mask, labels, boxes), boxes a list of (type, [x, y, w, h])
+    in pixels, COCO-style, one per labelled object in drawing order: the whole shape's extent (a shape of
+    side s at (x, y) paints pixels x..x + s, so w = h = s + 1 inside the image), also where a later object
+    covers part of it."""
     check_layout(objects, width, height)
     rng = np.random.default_rng([seed, index])
     # Drawn in a few vectorised calls: per-object scalar draws cost more than the pixels of a small image.
@@ -207,6 +217,7 @@ def render_layout(index: int, seed: int, objects: int, width: int, height: int):
     mask = Image.new("L", (width, height), 0)  # painted with the same shapes: 1 + type where one shows
     draw_img, draw_mask = ImageDraw.Draw(img), ImageDraw.Draw(mask)
     placed: list[tuple[int, int, int]] = []  # (type, 2 cx, 2 cy): centres doubled, (2 x + s, 2 y + s)
+    placed_sides: list[int] = []
     for t, s, first in zip(types, sizes, spots):
         centres = [(cx2, cy2) for _, cx2, cy2 in placed]
         at = _place(s, first, centres, width, height)
@@ -219,12 +230,18 @@ def render_layout(index: int, seed: int, objects: int, width: int, height: int):
         _draw(draw_img, shape, (x, y, x + s, y + s), PALETTE[colour])
         _draw(draw_mask, shape, (x, y, x + s, y + s), 1 + t)
         placed.append((t, 2 * x + s, 2 * y + s))
+        placed_sides.append(s)
     # An object counts where its centre pixel shows its type (always, as placed; checked, not assumed).
     kept = [(t, cx2, cy2) for t, cx2, cy2 in placed if mask.getpixel((cx2 // 2, cy2 // 2)) == 1 + t]
     labels = _layout_labels(
         objects, [t for t, _, _ in kept], [(cx2, cy2) for _, cx2, cy2 in kept], width, height
     )
-    return img, mask, labels
+    boxes = []
+    for (t, cx2, cy2), s in zip(placed, placed_sides):
+        if (t, cx2, cy2) in kept:
+            x, y = (cx2 - s) // 2, (cy2 - s) // 2  # centre (2 x + s, 2 y + s) -> corner (x, y)
+            boxes.append((t, [x, y, min(s + 1, width - x), min(s + 1, height - y)]))  # pixel x + s may be off it
+    return img, mask, labels, boxes
 
 
 def synthetic_samples(
@@ -240,7 +257,7 @@ def synthetic_samples(
     objects: int = 6,
 ) -> Iterator[Sample]:
     """Samples 0..num-1 of the corpus. `layout`: the layout corpus of `objects` types, each sample with its
-    mask in `extra["seg.png"]`; `num_classes` and `labels_per_image` do not apply to it (it has
+    mask in `extra["seg.png"]` and its objects' boxes in `extra["boxes.json"]` (classes: `layout_type_names`); `num_classes` and `labels_per_image` do not apply to it (it has
     3 * objects + 4 classes, `layout_class_names`)."""
     if layout:
         check_layout(objects, width, height)
@@ -248,9 +265,9 @@ def synthetic_samples(
         key = synthetic_key(seed, i)
         split = split_for(key, val_fraction)  # the same split `vitpipe shard synthetic` gives
         if layout:
-            img, mask, labels = render_layout(i, seed, objects, width, height)
+            img, mask, labels, boxes = render_layout_objects(i, seed, objects, width, height)
             # The same encoding as `vitpipe shard synthetic --layout` (sources/synthetic.py): the same bytes.
-            p = prepare_generated(img, "jpg", None, quality, tuple(labels), {MASK_EXT: mask})
+            p = prepare_generated(img, "jpg", None, quality, tuple(labels), {MASK_EXT: mask}, boxes, objects)
             yield Sample(key, p.data, p.ext, labels, width, height, split, f"synthetic:{i}", dict(p.extra))
             continue
         img, labels = render(i, seed, num_classes, labels_per_image, width, height)

@@ -3,7 +3,8 @@
 Per shard: present, size and sha256 as recorded in manifest.json, a readable tar whose samples are
 (one image + one label) in WebDataset's key grouping, as many as recorded, every image decoding in
 full and every label a known class. In a dataset whose manifest lists `segmentation_classes`, every
-sample also has its mask `KEY.seg.png`: mode "L", the image's size, every value a listed class.
+sample also has its mask `KEY.seg.png`: mode "L", the image's size, every value a listed class; in one
+that lists `detection_classes`, its boxes `KEY.boxes.json`: inside the image, every class a listed one.
 Where the shard's sha256 is off, each sample is compared with its index.parquet row (image sha256,
 labels), which names the damaged keys.
 
@@ -27,7 +28,7 @@ from PIL import Image
 
 from data_prep.dataset_dir import DatasetDir
 from data_prep.images import STORED_FORMATS
-from data_prep.layout import INDEX, MASK_EXT, ShardInfo, mask_problem, read_manifest
+from data_prep.layout import BOXES_EXT, INDEX, MASK_EXT, ShardInfo, mask_problem, parse_boxes, read_manifest
 from data_prep.tario import REGULAR_FILE, tar_entries
 
 IMAGE_EXTS = set(STORED_FORMATS.values()) | {"jpeg"}
@@ -70,8 +71,10 @@ def _check_sample(
     num_classes: int,
     multi_label: bool,
     num_segmentation: int | None = None,
+    num_detection: int | None = None,
 ) -> list[Problem]:
-    """`num_segmentation`: the manifest's segmentation classes, whose masks every sample must have."""
+    """`num_segmentation`: the manifest's segmentation classes, whose masks every sample must have;
+    `num_detection`: its detection classes, whose boxes (KEY.boxes.json) every sample must have."""
     out = []
     images = [e for e in parts if e in IMAGE_EXTS]
     label_ext = "json" if multi_label else "cls"
@@ -94,6 +97,14 @@ def _check_sample(
             problem = _mask_problem(parts[MASK_EXT], image_size, num_segmentation)
             if problem:
                 out.append(Problem(shard, key, problem))
+    if num_detection is not None:
+        if BOXES_EXT not in parts:
+            out.append(Problem(shard, key, f"no .{BOXES_EXT} member (manifest.json lists detection_classes)"))
+        else:
+            try:
+                parse_boxes(parts[BOXES_EXT], image_size, num_detection)
+            except ValueError as exc:
+                out.append(Problem(shard, key, str(exc)))
     if label_ext not in parts:
         out.append(Problem(shard, key, f"no .{label_ext} label member"))
         return out
@@ -147,7 +158,12 @@ def _compare_with_index(
 
 
 def verify_shard(
-    root: str, shard: ShardInfo, num_classes: int, multi_label: bool, num_segmentation: int | None = None
+    root: str,
+    shard: ShardInfo,
+    num_classes: int,
+    multi_label: bool,
+    num_segmentation: int | None = None,
+    num_detection: int | None = None,
 ) -> ShardCheck:
     try:
         out = DatasetDir(root)
@@ -166,7 +182,9 @@ def verify_shard(
     def close(key: str, parts: dict[str, bytes]) -> None:
         nonlocal samples
         samples += 1
-        problems.extend(_check_sample(shard.path, key, parts, num_classes, multi_label, num_segmentation))
+        problems.extend(
+            _check_sample(shard.path, key, parts, num_classes, multi_label, num_segmentation, num_detection)
+        )
         image = next((parts[e] for e in parts if e in IMAGE_EXTS), b"")
         try:
             labels = json.loads(parts["json"])["labels"] if multi_label else [int(parts["cls"])]
@@ -207,8 +225,11 @@ def verify_dataset(root: str | Path, workers: int = 1) -> list[ShardCheck]:
     manifest = read_manifest(root)  # a missing or bad manifest is a DatasetError naming it
     segmentation = manifest.segmentation_classes
     num_segmentation = None if segmentation is None else len(segmentation)
+    detection = manifest.detection_classes
+    num_detection = None if detection is None else len(detection)
     args = [
-        (str(root), s, len(manifest.classes), manifest.multi_label, num_segmentation) for s in manifest.shards
+        (str(root), s, len(manifest.classes), manifest.multi_label, num_segmentation, num_detection)
+        for s in manifest.shards
     ]
     if workers <= 1 or len(args) <= 1:
         checks = [verify_shard(*a) for a in args]

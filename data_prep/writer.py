@@ -29,12 +29,14 @@ def write_dataset(
     name: str = "shard",
     options: dict | None = None,
     segmentation_classes: list[str] | None = None,
+    detection_classes: list[str] | None = None,
 ) -> Manifest:
     """Stream samples into shards of at most `max_count` per split, then write index.parquet and manifest.json.
 
     Memory holds at most one open shard per split, whatever the corpus size. `root`: a folder or an
     object store URI. `segmentation_classes`: the names of the mask values, for samples that carry a
-    mask (`Sample.extra["seg.png"]`, the layout corpus); recorded in the manifest.
+    mask (`Sample.extra["seg.png"]`, the layout corpus); recorded in the manifest. `detection_classes`
+    likewise, for samples that carry boxes (`Sample.extra["boxes.json"]`).
     """
     out = DatasetDir(root)
     out.make()
@@ -45,6 +47,7 @@ def write_dataset(
         options=dict(options or {}),
         name=name,
         segmentation_classes=segmentation_classes,
+        detection_classes=detection_classes,
     )
     shard_rows: list[dict[str, list]] = []
     buffers: dict[str, list[Sample]] = {}

@@ -18,7 +18,7 @@ from conftest import vitpipe_shard as shard
 from PIL import Image
 
 from data_prep.images import fitted_size
-from data_prep.layout import MASK_EXT, read_manifest
+from data_prep.layout import BOXES_EXT, MASK_EXT, parse_boxes, read_manifest
 from data_prep.sources.synthetic import SyntheticSource
 from data_prep.synthetic import (
     LAYOUT_COLOURS,
@@ -28,6 +28,7 @@ from data_prep.synthetic import (
     layout_class_names,
     layout_type_names,
     render_layout,
+    render_layout_objects,
     segmentation_class_names,
     synthetic_samples,
 )
@@ -90,7 +91,7 @@ def test_layout_is_deterministic_in_seed_and_index():
     assert [(s.key, s.image, s.labels, s.extra) for s in a] == [
         (s.key, s.image, s.labels, s.extra) for s in b
     ]
-    assert all(set(s.extra) == {MASK_EXT} for s in a)
+    assert all(set(s.extra) == {MASK_EXT, BOXES_EXT} for s in a)
     # image i does not depend on what else is generated, and differs from its neighbours and other seeds
     img, mask, labels = render_layout(7, 3, 6, 48, 40)
     assert labels == a[7].labels
@@ -239,7 +240,8 @@ def test_config_takes_layout_and_checks_its_sizes(tmp_path):
     m = read_manifest(tmp_path / "syn")
     assert m.classes == layout_class_names(3) and m.segmentation_classes == segmentation_class_names(3)
     member_names = [n for n, _ in tar_members(tmp_path / "syn" / m.shards[0].path)]
-    assert member_names[:3] == [f"syn0000_000000000.{e}" for e in ("jpg", MASK_EXT, "json")]
+    assert m.detection_classes == layout_type_names(3)
+    assert member_names[:4] == [f"syn0000_000000000.{e}" for e in ("jpg", MASK_EXT, BOXES_EXT, "json")]
     prepare_data(cfg)  # present, and as configured: kept
     # Generated earlier with other settings: refused, not trained on silently.
     with pytest.raises(ConfigError, match=r"other data.synthetic settings \(objects 3 there, 4 configured\)"):
@@ -264,15 +266,18 @@ def test_shard_cli_writes_masks_and_segmentation_classes(tmp_path):
         s.key: s
         for s in synthetic_samples(25, 0, width=48, height=40, val_fraction=0.2, layout=True, objects=5)
     }
+    assert m.detection_classes == layout_type_names(5)
     keys = []
     for info in m.shards:
         members = tar_members(out / info.path)
-        assert len(members) == 3 * info.count
-        for (image, data), (seg, mask), (label, js) in zip(*[iter(members)] * 3):
+        assert len(members) == 4 * info.count
+        for (image, data), (seg, mask), (boxes, bj), (label, js) in zip(*[iter(members)] * 4):
             key = image.removesuffix(".jpg")
-            assert (seg, label) == (f"{key}.{MASK_EXT}", f"{key}.json")  # image, mask, label, in that order
+            # image, mask, boxes, label, in that order
+            assert (seg, boxes, label) == (f"{key}.{MASK_EXT}", f"{key}.{BOXES_EXT}", f"{key}.json")
             # the same bytes as the in-process generator (`data.synthetic` in a training config)
             assert data == expected[key].image and mask == expected[key].extra[MASK_EXT]
+            assert bj == expected[key].extra[BOXES_EXT] and parse_boxes(bj, (48, 40), 5)[0]
             assert json.loads(js)["labels"] == expected[key].labels
             assert decode(mask).mode == "L"
             keys.append(key)
@@ -311,7 +316,13 @@ def test_resize_max_resizes_the_mask_to_the_image_with_nearest(tmp_path):
             key = name.removesuffix(".jpg")
             image, mask = decode(data), decode(members[f"{key}.{MASK_EXT}"])
             assert image.size == mask.size == target and mask.mode == "L"
-            _, original, _ = render_layout(int(key.rsplit("_", 1)[1]), 0, 6, 150, 110)
+            _, original, _, objects = render_layout_objects(int(key.rsplit("_", 1)[1]), 0, 6, 150, 110)
+            # boxes scaled with the image: 41/150 across, 30/110 down, to 1/100 px
+            boxes, classes = parse_boxes(members[f"{key}.{BOXES_EXT}"], target, 6)
+            assert classes == [t for t, _ in objects]
+            for (x, y, w, h), (_, (x0, y0, w0, h0)) in zip(boxes, objects):
+                sx, sy = 41 / 150, 30 / 110
+                assert [x, y, w, h] == pytest.approx([x0 * sx, y0 * sy, w0 * sx, h0 * sy], abs=0.006)
             values = set(np.unique(np.asarray(mask)).tolist())
             assert values <= set(np.unique(np.asarray(original)).tolist())  # never interpolated
             assert len(values) >= 2
@@ -343,7 +354,7 @@ def test_verify_passes_a_good_dataset_and_names_a_missing_mask(layout_dataset):
     assert _problems(layout_dataset) == []
     path = layout_dataset / "train" / "shard-000001.tar"
     members = tar_members(path)
-    key = members[3][0].removesuffix(".jpg")
+    key = members[4][0].removesuffix(".jpg")  # the second sample: image, mask, boxes, labels each
     rewrite_tar(path, [(n, d) for n, d in members if n != f"{key}.{MASK_EXT}"])
     proc = shard("verify", layout_dataset, "--workers", 1, expect=1)
     assert f"bad shard train/shard-000001.tar key {key}: no .seg.png mask member" in proc.stderr
@@ -353,7 +364,7 @@ def test_verify_passes_a_good_dataset_and_names_a_missing_mask(layout_dataset):
 def test_verify_names_a_mask_of_the_wrong_size_or_values(layout_dataset):
     path = layout_dataset / "train" / "shard-000002.tar"
     members = tar_members(path)
-    small, high = members[0][0].removesuffix(".jpg"), members[6][0].removesuffix(".jpg")
+    small, high = members[0][0].removesuffix(".jpg"), members[8][0].removesuffix(".jpg")
     wrong = {
         f"{small}.{MASK_EXT}": png(np.zeros((20, 24))),
         f"{high}.{MASK_EXT}": png(np.full((40, 48), 5)),  # 4 types: values 0..4

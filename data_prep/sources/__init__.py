@@ -31,6 +31,9 @@ class Item:
     stamp: str = ""  # changes when the input does (size:mtime of a file): a re-run rewrites its shard
     split: str | None = None  # an explicit split (manifest column); None: by a hash of the key
     payload: bytes | None = None  # inline pixels of a tiny generated input (digits)
+    # (class, (x, y, w, h)) per object, COCO-style in the input's upright pixels (a manifest's boxes column);
+    # None: the input has no boxes (the sample gets none; a generator may draw its own)
+    boxes: tuple[tuple[int, tuple[float, float, float, float]], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

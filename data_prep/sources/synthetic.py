@@ -2,7 +2,7 @@
 workers draw the pixels, so nothing but (key, labels) crosses a process boundary.
 
 vitpipe shard synthetic data/syn --num 100000 --classes 100 --labels-per-image 1.3
-vitpipe shard synthetic data/layout --num 100000 --layout --objects 6    # + KEY.seg.png object masks
+vitpipe shard synthetic data/layout --num 100000 --layout --objects 6    # + KEY.seg.png masks, KEY.boxes.json
 """
 
 from __future__ import annotations
@@ -11,14 +11,16 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 from data_prep.images import Prepared, prepare_generated
+from data_prep.layout import BOXES_EXT
 from data_prep.sources import Item, ListingError
 from data_prep.synthetic import (
     MASK_EXT,
     check_layout,
     class_names,
     layout_class_names,
+    layout_type_names,
     render,
-    render_layout,
+    render_layout_objects,
     segmentation_class_names,
     synthetic_key,
 )
@@ -38,8 +40,12 @@ class SyntheticLoader:
     def load(self, item: Item, resize_max: int | None, quality: int) -> Prepared:
         index = int(item.source.rsplit(":", 1)[1])
         if self.layout:
-            img, mask, labels = render_layout(index, self.seed, self.objects, self.width, self.height)
-            return prepare_generated(img, "jpg", resize_max, self.quality, tuple(labels), {MASK_EXT: mask})
+            img, mask, labels, boxes = render_layout_objects(
+                index, self.seed, self.objects, self.width, self.height
+            )
+            return prepare_generated(
+                img, "jpg", resize_max, self.quality, tuple(labels), {MASK_EXT: mask}, boxes, self.objects
+            )
         img, labels = render(
             index, self.seed, self.num_classes, self.labels_per_image, self.width, self.height
         )
@@ -70,12 +76,14 @@ class SyntheticSource:
             check_layout(objects, width, height)
             self.classes = layout_class_names(objects)
             self.segmentation_classes: list[str] | None = segmentation_class_names(objects)
+            self.detection_classes: list[str] | None = layout_type_names(objects)
             num_classes, labels_per_image = len(self.classes), 1.0  # fixed: not part of what it draws
         else:
             if num_classes is None:
                 raise ValueError("the synthetic corpus needs a number of classes (or layout=True)")
             self.classes = class_names(num_classes)
             self.segmentation_classes = None
+            self.detection_classes = None
         self._loader = SyntheticLoader(
             seed, num_classes, labels_per_image, width, height, quality=90, layout=layout, objects=objects
         )
@@ -83,12 +91,15 @@ class SyntheticSource:
         # Measured on this generator's noise texture at quality 90: about 0.36 bytes per pixel at 500x375.
         # A layout mask's member: its 512-byte tar header and a PNG of long runs, which grows with the
         # rows and the edges rather than the area (measured: 0.2 kB at 48x40, 2.2 kB at 500x375).
-        self._est = 600 + int(0.4 * width * height) + (600 + 4 * (width + height) if layout else 0)
+        # Its boxes member: a header and about 30 bytes per object.
+        self._est = 600 + int(0.4 * width * height) + (600 + 4 * (width + height) + 640 if layout else 0)
 
     def describe(self) -> dict:
         d = {"kind": self.kind, **asdict(self._loader)}
         if not self._loader.layout:  # as before the layout corpus existed: its shards stay complete
             del d["layout"], d["objects"]
+        else:  # layout shards written before boxes existed lack KEY.boxes.json: a re-run rewrites them
+            d["members"] = [MASK_EXT, BOXES_EXT]
         return d
 
     def count_hint(self) -> int | None:

@@ -1,16 +1,26 @@
 """A manifest table: Parquet or CSV (TSV) with a `path` column and `label` (single-label) or `labels`
-(a list, a JSON list string or names joined by '|': multi-label), optionally `split`, `key` and `bytes`.
+(a list, a JSON list string or names joined by '|': multi-label), optionally `split`, `key` and `bytes`,
+and for detection `boxes` with `box_labels`: per image a list of COCO-style [x, y, w, h] boxes in the
+image's pixels (x, y the top-left corner; as it stands upright) and a list of as many class names (or
+indices); in CSV each a JSON list ('[[10, 20, 30, 40]]', '["cat"]'); empty: an image without objects.
+The detection classes come from `box_classes` (--box-classes) or, without it, from the box labels
+(like labels). Each sample then stores KEY.boxes.json (scaled where the image is resized) and the
+manifest lists `detection_classes`. A box that is not 4 numbers with w, h > 0, or of an unknown class,
+is an error row at listing; one outside its image, when a worker has read the image's size.
 Relative paths resolve against the manifest's own folder; a path may be a URI (s3://bucket/img.jpg,
 gs://..., credentials from the environment), read by the shard workers, several at a time each. Read
 in record batches: memory stays flat.
 
 vitpipe shard manifest ~/data/train.parquet data/mydata --max-size 1G
 vitpipe shard manifest photos.parquet s3://corpus/photos --workers 32   # s3:// images in, shards to a bucket
+vitpipe shard manifest boxes.csv data/det --box-classes cat,dog         # + KEY.boxes.json per image
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -18,7 +28,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from data_prep.keys import check_split_name, key_from_path, sanitize_key
-from data_prep.layout import DatasetError
+from data_prep.layout import DatasetError, check_box
 from data_prep.sources import Item, ListingError
 from data_prep.sources.files import FileLoader, file_item, uri_item
 from data_prep.sources.labels import LabelSpace, UnknownLabel, parse_label_list
@@ -36,7 +46,13 @@ class ManifestSource:
     kind = "manifest"
     mix = True
 
-    def __init__(self, path: str | Path, classes: list[str] | None = None, seed: int = 0):
+    def __init__(
+        self,
+        path: str | Path,
+        classes: list[str] | None = None,
+        seed: int = 0,
+        box_classes: list[str] | None = None,
+    ):
         self.path = Path(path).resolve()
         if not self.path.is_file():
             raise DatasetError(f"{path}: no such manifest file")
@@ -56,6 +72,18 @@ class ManifestSource:
         self.read_cols = ["path", label_col] + [c for c in ("split", "key", "bytes") if c in columns]
         self._space = LabelSpace.infer(self._label_values(), classes)
         self.classes = self._space.classes
+        self.detection_classes: list[str] | None = None
+        if ("boxes" in columns) != ("box_labels" in columns):
+            raise DatasetError(
+                f"{path}: detection needs both a 'boxes' column ([[x, y, w, h], ...] per image) and a "
+                f"'box_labels' column (a class per box); found only '{'boxes' if 'boxes' in columns else 'box_labels'}'"
+            )
+        if "boxes" in columns:
+            self.read_cols += ["boxes", "box_labels"]
+            self._box_space = LabelSpace.infer(self._box_label_values(), box_classes)
+            self.detection_classes = self._box_space.classes
+        elif box_classes is not None:
+            raise DatasetError(f"{path}: --box-classes given, but the manifest has no 'boxes' column")
 
     def _columns(self) -> list[str]:
         try:
@@ -101,6 +129,41 @@ class ManifestSource:
                 else:
                     yield raw
 
+    def _box_label_values(self) -> Iterator:
+        for batch in self._batches(["box_labels"]):
+            for raw in batch["box_labels"]:
+                try:
+                    yield from parse_label_list(raw)
+                except UnknownLabel:
+                    continue  # reported per row by the listing
+
+    def _boxes(self, r: dict) -> tuple:
+        """A row's boxes as ((class, (x, y, w, h)), ...); raises ValueError naming what is wrong."""
+        raw, names = r["boxes"], parse_label_list(r["box_labels"])
+        if isinstance(raw, str):
+            text = raw.strip()
+            try:
+                raw = json.loads(text) if text else []
+            except json.JSONDecodeError:
+                raise ValueError(f"boxes {text[:80]!r} are not a JSON list of [x, y, w, h]") from None
+        raw = [] if raw is None else raw
+        if not isinstance(raw, list):
+            raise ValueError(f"boxes {raw!r} are not a list of [x, y, w, h]")
+        if len(raw) != len(names):
+            raise ValueError(f"{len(raw)} boxes and {len(names)} box_labels: one label per box")
+        out = []
+        for i, (box, name) in enumerate(zip(raw, names)):
+            x, y, w, h = check_box(list(box) if isinstance(box, tuple) else box, None, f"box {i}")
+            try:
+                cls = self._box_space.resolve(name)
+            except UnknownLabel as exc:
+                known = ", ".join(self.detection_classes[:8]) + (
+                    ", ..." if len(self.detection_classes) > 8 else ""
+                )
+                raise ValueError(f"box {i}: {exc} (box classes: {known})") from None
+            out.append((cls, (x, y, w, h)))
+        return tuple(out)
+
     def describe(self) -> dict:
         return {"kind": self.kind, "multi_label": self.multi_label}
 
@@ -136,9 +199,11 @@ class ManifestSource:
             return ListingError("", str(path), f"{where}: no usable key")
         try:
             labels, split = self._labels_and_split(r)
+            boxes = self._boxes(r) if self.detection_classes is not None else None
         except (UnknownLabel, ValueError) as exc:
             return ListingError(key, str(path), str(exc))
-        return file_item(path, key, labels, split)
+        item = file_item(path, key, labels, split)
+        return item if boxes is None or isinstance(item, ListingError) else replace(item, boxes=boxes)
 
     def _labels_and_split(self, r: dict) -> tuple[tuple[int, ...], str | None]:
         raw = r[self.label_col]
@@ -158,6 +223,7 @@ class ManifestSource:
         try:
             labels, split = self._labels_and_split(r)
             size = int(r["bytes"]) if r.get("bytes") else None
+            boxes = self._boxes(r) if self.detection_classes is not None else None
         except (UnknownLabel, ValueError) as exc:
             return ListingError(key, uri, str(exc))
-        return uri_item(uri, key, labels, split, size)
+        return replace(uri_item(uri, key, labels, split, size), boxes=boxes)

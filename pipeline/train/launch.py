@@ -12,7 +12,13 @@ import sys
 from collections.abc import Callable
 
 from data_prep.layout import has_dataset, read_manifest
-from data_prep.synthetic import class_names, layout_class_names, segmentation_class_names, synthetic_samples
+from data_prep.synthetic import (
+    class_names,
+    layout_class_names,
+    layout_type_names,
+    segmentation_class_names,
+    synthetic_samples,
+)
 from data_prep.writer import write_dataset
 from pipeline.config import ConfigError, StageConfig, check_inputs, load_config
 from pipeline.eval.run import evaluate  # light: matplotlib loads only when a figure is drawn
@@ -22,7 +28,8 @@ from pipeline.train.loop import StageResult, train
 
 def prepare_data(cfg: StageConfig) -> None:
     """Generate the configured synthetic corpus once, before any rank starts (no-op if present); the
-    layout corpus (`layout: true`) with its masks and the manifest's segmentation_classes."""
+    layout corpus (`layout: true`) with its masks and boxes and the manifest's segmentation_classes and
+    detection_classes."""
     syn = cfg.data.synthetic
     if syn is None:
         return
@@ -57,6 +64,7 @@ def prepare_data(cfg: StageConfig) -> None:
         max_count=syn.max_count,
         options=syn.model_dump(),
         segmentation_classes=segmentation_class_names(syn.objects) if syn.layout else None,
+        detection_classes=layout_type_names(syn.objects) if syn.layout else None,
     )
 
 
