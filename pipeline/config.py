@@ -81,7 +81,7 @@ class ModelConfig(_Section):
         None,
         gt=0,
         description="Classifier outputs; null takes the class count from the dataset manifest (for objective "
-        "segmentation: its segmentation_classes).",
+        "segmentation: its segmentation_classes; detection: its detection_classes).",
     )
     overrides: dict[str, Any] = Field(
         default_factory=dict,
@@ -252,11 +252,14 @@ class ObjectiveConfig(_Section):
         "masked_patch_prediction",
         "distill",
         "segmentation",
+        "detection",
     ] = Field(
         "supervised_softmax",
         description="Training objective; mae needs an mae_* model, simmim a simmim_* model (Swin, CvT, TNT), "
         "segmentation a setr_* model and a dataset with masks (per-pixel cross-entropy; its eval stage reports "
-        "mIoU and pixel accuracy).",
+        "mIoU and pixel accuracy), detection a detr_* model and a dataset with boxes (DETR's set loss: "
+        "Hungarian matching, class cross-entropy, L1 and GIoU, at every decoder layer; its eval stage reports "
+        "COCO box AP).",
     )
     label_smoothing: float = Field(
         0.0, ge=0.0, lt=1.0, description="Label smoothing (softmax, distill and segmentation)."
@@ -281,6 +284,24 @@ class ObjectiveConfig(_Section):
     )
     distill_alpha: float = Field(0.5, ge=0.0, le=1.0, description="Weight of the distillation term.")
     distill_tau: float = Field(1.0, gt=0.0, description="Soft distillation temperature.")
+    no_object_weight: float = Field(
+        0.1,
+        gt=0.0,
+        le=1.0,
+        description="Detection: weight of the 'no object' class in the class cross-entropy (DETR's eos_coef).",
+    )
+    detection_weights: tuple[
+        Annotated[float, Field(ge=0.0)], Annotated[float, Field(ge=0.0)], Annotated[float, Field(ge=0.0)]
+    ] = Field(
+        (1.0, 5.0, 2.0),
+        description="Detection: weights of (class, box L1, generalized IoU) in the matching cost and the loss "
+        "alike (DETR's 1, 5, 2).",
+    )
+    aux_loss: bool = Field(
+        True,
+        description="Detection: also apply the set loss to every earlier decoder layer's predictions (each "
+        "matched on its own), as DETR does; false: the last layer only.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ObjectiveConfig:
@@ -436,8 +457,9 @@ class EvalConfig(_Section):
         True,
         description="Run the model's own head on eval_split: top-1/top-5 for single-label data, mAP and "
         "precision@1 for multi-label; needs model.init_head: true. A SETR export (objective segmentation) is "
-        "evaluated per pixel instead (mIoU, pixel and mean class accuracy, a mask figure); few-shot and the "
-        "probe do not apply to it.",
+        "evaluated per pixel instead (mIoU, pixel and mean class accuracy, a mask figure), a DETR export "
+        "(objective detection) per box (COCO mAP@[.5:.95], AP50, AP75 by pycocotools, a box figure); few-shot and "
+        "the probe do not apply to them.",
     )
     fewshot_shots: list[Annotated[int, Field(gt=0)]] = Field(
         default_factory=lambda: [1, 5, 10, 25],
@@ -536,6 +558,25 @@ class StageConfig(_Section):
             )
         if segmenter and self.data.decode == "cuda":
             raise ValueError("objective segmentation decodes its masks on the CPU: set data.decode: cpu")
+        detector = self.model.name.startswith("detr_")
+        if (self.objective.name == "detection") != detector:
+            raise ValueError(
+                "objective detection needs a DETR model (model.name: detr_vit_b16, detr_vit_debug, ...)"
+                if not detector
+                else f"model {self.model.name} is a detection model: set objective.name: detection"
+            )
+        if detector and self.data.synthetic is not None and not self.data.synthetic.layout:
+            raise ValueError(
+                "objective detection needs boxes: data.synthetic generates them only with layout: true"
+            )
+        if detector and self.data.randaugment is not None:
+            raise ValueError(
+                "objective detection has no RandAugment (its ops would move pixels off their boxes)"
+            )
+        if detector and self.data.decode == "cuda":
+            raise ValueError(
+                "objective detection decodes its boxes with the image on the CPU: set data.decode: cpu"
+            )
         if self.deepspeed.offload_params and self.deepspeed.zero_stage != 3:
             raise ValueError("deepspeed.offload_params needs deepspeed.zero_stage: 3")
         if self.optim.warmup_steps > self.optim.steps:
@@ -562,6 +603,10 @@ class StageConfig(_Section):
             if segmenter and not self.model.init_head:
                 raise ValueError(
                     "a segmentation eval stage runs the exported SETR decoder, so it needs model.init_head: true"
+                )
+            if detector and not self.model.init_head:
+                raise ValueError(
+                    "a detection eval stage runs the exported DETR decoder, so it needs model.init_head: true"
                 )
             if self.eval.classification and not self.model.init_head:
                 raise ValueError(
@@ -1150,10 +1195,10 @@ def load_experiment(path: str | os.PathLike, overrides: list[str] | None = None)
 # ---------------------------------------------------------------- inputs, before anything starts
 
 
-def _dataset_problem(source: str, splits: list[str], masks: bool = False) -> str | None:
+def _dataset_problem(source: str, splits: list[str], masks: bool = False, boxes: bool = False) -> str | None:
     """Why the loader could not read `source` (a dataset folder or object store prefix, or local shard
-    files), else None; `masks`: the stage needs per-pixel masks (segmentation). Shard URLs are not checked
-    here (the loader reports what it cannot open)."""
+    files), else None; `masks`: the stage needs per-pixel masks (segmentation), `boxes` objects' boxes
+    (detection). Shard URLs are not checked here (the loader reports what it cannot open)."""
     if names_shards(source):
         from webdataset.shardlists import expand_urls  # heavy (it imports torch): see _models
 
@@ -1182,6 +1227,12 @@ def _dataset_problem(source: str, splits: list[str], masks: bool = False) -> str
             f"{source.split('?', 1)[0]}: objective segmentation needs per-pixel masks, and this dataset has none "
             "(its manifest lists no segmentation_classes); write one with masks, e.g. vitpipe shard synthetic --layout"
         )
+    if boxes and manifest.detection_classes is None:
+        return (
+            f"{source.split('?', 1)[0]}: objective detection needs boxes, and this dataset has none (its manifest "
+            "lists no detection_classes); write one with boxes: vitpipe shard synthetic --layout, or vitpipe shard "
+            "manifest with boxes and box_labels columns"
+        )
     return None
 
 
@@ -1199,9 +1250,10 @@ def input_problems(target: Experiment | StageConfig) -> list[str]:
         e = cfg.eval
         splits = ["train"] if cfg.kind == "train" else [e.eval_split]
         segmentation = cfg.objective.name == "segmentation"  # evaluated per pixel: no few-shot, no probe
-        if cfg.kind == "eval" and (e.fewshot_shots or e.linear_probe) and not segmentation:
+        detection = cfg.objective.name == "detection"  # evaluated per box: likewise
+        if cfg.kind == "eval" and (e.fewshot_shots or e.linear_probe) and not (segmentation or detection):
             splits.append(e.train_split)
-        problem = _dataset_problem(cfg.data.train, splits, masks=segmentation)
+        problem = _dataset_problem(cfg.data.train, splits, masks=segmentation, boxes=detection)
         if problem:
             stages_with.setdefault(problem, []).append(name)
     return [

@@ -25,6 +25,7 @@ from pipeline.config import ObjectiveConfig
 from pipeline.data.batching import MASK_IGNORE
 from pipeline.data.transforms import mixup_cutmix, normalize
 from pipeline.models import create_model
+from pipeline.models.boxes import hungarian_match, set_loss
 from pipeline.models.masked_patch import mean_colour_classes
 from pipeline.train.export import load_exported  # the teacher: a folder, a .safetensors file or a storage URI
 
@@ -277,6 +278,50 @@ class Segmentation:
         return loss, {"pixel_accuracy": acc.detach()}
 
 
+class Detection:
+    """Set-prediction detection (DETR): each image's objects matched one-to-one to the model's queries by the
+    Hungarian algorithm, then class cross-entropy ("no object" for unmatched queries, down-weighted), box L1
+    and generalized IoU (`pipeline.models.boxes`), at every decoder layer with `aux_loss`.
+
+    The loader's boxes ([B, M, 4] centre x, y, w, h as fractions, classes [B, M] with -1 for no object)
+    follow the image's crop and flip. The model's classes are the dataset's detection classes. The box terms
+    are divided by this rank's number of objects (DETR divides by the mean over ranks: the same where every
+    rank's batch holds as many)."""
+
+    name = "detection"
+
+    def __init__(self, cfg: ObjectiveConfig):
+        self.cfg = cfg
+
+    @staticmethod
+    def model_kwargs(cfg: ObjectiveConfig, num_classes: int) -> dict:
+        return {"num_classes": num_classes, "head_bias_init": cfg.head_bias_init or 0.0}
+
+    def prepare(self, model, device) -> None:
+        pass
+
+    def loss(self, model, batch):
+        logits, boxes = model(_pixels(model, batch["image"]))  # [L, B, Q, K + 1], [L, B, Q, 4]
+        if not self.cfg.aux_loss:
+            logits, boxes = logits[-1:], boxes[-1:]
+        target_boxes, target_classes = batch["boxes"], batch["box_classes"]  # [B, M, 4], [B, M]
+        weights = tuple(self.cfg.detection_weights)
+        matches = hungarian_match(logits, boxes, target_boxes, target_classes, weights)
+        total, parts = 0.0, {}
+        for layer_logits, layer_boxes, layer_matches in zip(logits, boxes, matches):
+            loss, parts = set_loss(
+                layer_logits,
+                layer_boxes,
+                target_boxes,
+                target_classes,
+                layer_matches,
+                self.cfg.no_object_weight,
+                weights,
+            )
+            total = total + loss
+        return total, parts  # the parts of the last layer, the one evaluation reads
+
+
 OBJECTIVES = {
     c.name: c
     for c in (
@@ -287,6 +332,7 @@ OBJECTIVES = {
         MaskedPatchPrediction,
         Distillation,
         Segmentation,
+        Detection,
     )
 }
 

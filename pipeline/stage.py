@@ -151,7 +151,16 @@ def model_kwargs(cfg: StageConfig, num_classes: int) -> dict:
 
 def output_classes(cfg: StageConfig, info: DatasetInfo) -> int:
     """The model's output classes: model.num_classes, else the dataset's classes, or for segmentation its
-    mask classes (the manifest's segmentation_classes, which a segmentation stage needs)."""
+    mask classes (the manifest's segmentation_classes, which a segmentation stage needs), for detection its
+    object classes (detection_classes)."""
+    if cfg.objective.name == "detection":
+        found = info.box_classes()
+        if cfg.model.num_classes not in (None, found):
+            raise DatasetError(
+                f"{cfg.data.train}: model.num_classes is {cfg.model.num_classes}, but the dataset's boxes have "
+                f"{found} classes ({', '.join(info.detection_classes)})"
+            )
+        return found
     if cfg.objective.name != "segmentation":
         return cfg.model.num_classes or info.num_classes
     found = info.mask_classes()

@@ -6,6 +6,8 @@
         yield builder.take(skipped=counter.bad)
     # {"image": uint8 [B, 3, H, W], "target": long [B] | multi-hot float [B, K], "key": [B] str, **extra}
     # masks=True (segmentation): also "mask" uint8 [B, H, W], the class of each pixel (decode_pair)
+    # boxes=M (detection): also "boxes" float [B, M, 4] (centre x, centre y, w, h as fractions of the image),
+    # "box_classes" long [B, M] (-1: no object in that row), "image_size" long [B, 2] (w, h as stored)
 
 The streams (train_stream, eval_stream) drive this; the loader's workers hand the batches over in shared memory.
 """
@@ -17,11 +19,18 @@ import json
 import math
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import get_worker_info
 
-from data_prep.layout import MASK_EXT, MASK_IGNORE, mask_problem  # KEY.seg.png: per-pixel classes
+from data_prep.layout import (  # KEY.seg.png: per-pixel classes; KEY.boxes.json: objects
+    BOXES_EXT,
+    MASK_EXT,
+    MASK_IGNORE,
+    mask_problem,
+    parse_boxes,
+)
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 
@@ -83,6 +92,46 @@ def decode_pair(
     return image, target, labels
 
 
+def decode_boxes(
+    sample: dict,
+    multi_label: bool,
+    num_classes: int,
+    box_classes: int,
+    max_boxes: int,
+    transform: Callable[[Image.Image, np.ndarray], tuple[torch.Tensor, np.ndarray, np.ndarray]],
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, tuple[int, int]], list[int] | int]:
+    """(uint8 [3, H, W] image, (boxes [K, 4] float centre x, centre y, w, h as fractions of the output,
+    classes [K] long, the stored image's (w, h)), labels) of one raw sample of a detection dataset, its boxes
+    following the transform's crop and flip (`transforms.train_boxes` / `eval_boxes`); raises, naming what
+    is wrong, on a missing or bad KEY.boxes.json or more than `max_boxes` objects."""
+    labels = sample_labels(sample, multi_label, num_classes)
+    data = sample.get(BOXES_EXT)
+    if data is None:
+        members = sorted(k for k in sample if not k.startswith("__"))
+        raise ValueError(f"no {BOXES_EXT} member (it has {members}); detection needs KEY.{BOXES_EXT}")
+    with Image.open(io.BytesIO(image_bytes(sample))) as img:
+        boxes, classes = parse_boxes(data, img.size, box_classes)
+        if len(boxes) > max_boxes:
+            raise ValueError(
+                f"{len(boxes)} objects, more than the model's {max_boxes} queries (model.overrides.num_queries)"
+            )
+        corners = np.array([[x, y, x + w, y + h] for x, y, w, h in boxes], dtype=np.float64).reshape(-1, 4)
+        size = img.size
+        image, out, keep = transform(img, corners)
+    out = torch.from_numpy(out).float()
+    cxcywh = torch.stack(
+        [
+            (out[:, 0] + out[:, 2]) / 2,
+            (out[:, 1] + out[:, 3]) / 2,
+            out[:, 2] - out[:, 0],
+            out[:, 3] - out[:, 1],
+        ],
+        1,
+    )
+    kept = torch.tensor(classes, dtype=torch.long)[torch.from_numpy(keep)]
+    return image, (cxcywh, kept, size), labels
+
+
 def _empty_batch(shape: tuple[int, ...], shared: bool) -> torch.Tensor:
     """uint8 tensor; `shared`: allocated in shared memory, as default_collate does in a worker, so
     the batch reaches the main process without the copy that sending a private tensor makes
@@ -113,10 +162,11 @@ class BatchBuilder:
         multi_label: bool,
         encoded: bool = False,
         masks: bool = False,
+        boxes: int = 0,
     ):
         self.batch_size, self.img_size = batch_size, img_size
         self.num_classes, self.multi_label = num_classes, multi_label
-        self.encoded, self.with_masks = encoded, masks
+        self.encoded, self.with_masks, self.max_boxes = encoded, masks, boxes
         self.shared = get_worker_info() is not None  # in a DataLoader worker process
         self._new()
 
@@ -132,6 +182,10 @@ class BatchBuilder:
         self.n = 0
         if self.with_masks:
             self.masks = _empty_batch((b, s, s), self.shared)  # [B, H, W] class per pixel
+        if self.max_boxes:
+            self.boxes = torch.zeros((b, self.max_boxes, 4))  # [B, M, 4] centre x, y, w, h (fractions)
+            self.box_classes = torch.full((b, self.max_boxes), -1, dtype=torch.long)  # [B, M], -1: none
+            self.image_sizes = torch.zeros((b, 2), dtype=torch.long)  # [B, 2] stored (w, h)
         if self.encoded:
             self.jpegs: list[bytes] = [b""] * b
             self.decoded: dict[int, torch.Tensor] = {}  # slot -> uint8 [3, H, W] decoded here
@@ -145,6 +199,7 @@ class BatchBuilder:
         labels: list[int] | int,
         key: str,
         mask: torch.Tensor | None = None,
+        objects: tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None = None,
     ) -> None:
         if image is not None and self.encoded:
             self.decoded[slot] = image  # uint8 [3, H, W], copied into the batch at `take`
@@ -152,6 +207,14 @@ class BatchBuilder:
             self.images[slot] = image  # uint8 [3, H, W] -> its batch slot
         if mask is not None:
             self.masks[slot] = mask  # uint8 [H, W]
+        if objects is not None:  # (boxes [K, 4], classes [K], (w, h)) of `decode_boxes`
+            boxes, classes, size = objects
+            k = len(classes)
+            self.boxes[slot].zero_()
+            self.boxes[slot, :k] = boxes
+            self.box_classes[slot] = -1
+            self.box_classes[slot, :k] = classes
+            self.image_sizes[slot] = torch.tensor(size)
         if self.multi_label:
             self.targets[slot].zero_()
             self.targets[slot, labels] = 1.0
@@ -161,10 +224,16 @@ class BatchBuilder:
         self.valid[slot] = True
 
     def add(
-        self, image: torch.Tensor, labels: list[int] | int, key: str, mask: torch.Tensor | None = None
+        self,
+        image: torch.Tensor,
+        labels: list[int] | int,
+        key: str,
+        mask: torch.Tensor | None = None,
+        objects: tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None = None,
     ) -> bool:
-        """Append one sample (and its mask, with masks=True); True when the batch is full."""
-        self.put(self.n, image, labels, key, mask)
+        """Append one sample (and its mask, with masks=True; its objects, with boxes=M); True when the batch
+        is full."""
+        self.put(self.n, image, labels, key, mask, objects)
         self.n += 1
         return self.n == self.batch_size
 
@@ -223,6 +292,8 @@ class BatchBuilder:
                 self.targets[slot] = 0
             if self.with_masks:
                 self.masks[slot] = MASK_IGNORE  # a padding slot's pixels count nowhere
+            if self.max_boxes:
+                self.box_classes[slot] = -1  # nor its objects
 
     def take(self, **extra) -> dict:
         """The batch {"image", "target", "key", **extra} (encoded: the fields of the class docstring in place of
@@ -232,6 +303,8 @@ class BatchBuilder:
             batch = {"image": self.images, **batch}
         if self.with_masks:
             batch["mask"] = self.masks
+        if self.max_boxes:
+            batch.update(boxes=self.boxes, box_classes=self.box_classes, image_size=self.image_sizes)
         if self.encoded:
             batch.update(self._encoded_fields())
         self._new()

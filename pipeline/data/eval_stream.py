@@ -1,6 +1,6 @@
 """The evaluation stream of one rank: a finite, deterministic pass, every sample exactly once over all ranks.
 
-No shuffle, resize + centre crop. Every rank yields the same number of batches (`num_batches`); the
+No shuffle, resize + centre crop (detection: the whole image resized, boxes as fractions of it). Every rank yields the same number of batches (`num_batches`); the
 last ones are padded with a repeated sample marked `valid=False` ([B] bool). Samples go to ranks by
 shard (rank r reads shards r, r + world_size, ...) when there are at least as many shards as ranks,
 else by sample index (i % world_size); `by_shard` says which. Each loader worker takes a contiguous
@@ -21,10 +21,10 @@ import torch
 from PIL import Image
 from torch.utils.data import IterableDataset
 
-from pipeline.data.batching import BatchBuilder, decode, decode_pair, loader_worker
+from pipeline.data.batching import BatchBuilder, decode, decode_boxes, decode_pair, loader_worker
 from pipeline.data.shard_reader import SkipCounter, count_samples, read_shards
 from pipeline.data.sources import DatasetInfo
-from pipeline.data.transforms import eval_pair, eval_tensor
+from pipeline.data.transforms import eval_boxes, eval_pair, eval_tensor
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,7 @@ class EvalStream(IterableDataset):
         crop_fraction: float = 0.875,
         max_skip_fraction: float = 0.01,
         masks: bool = False,
+        boxes: int = 0,
     ):
         counts = info.shard_counts
         if counts is None:  # URLs without a manifest: the batch count must be known up front
@@ -57,6 +58,8 @@ class EvalStream(IterableDataset):
         self.max_skip_fraction = max_skip_fraction
         self.mask_classes = info.mask_classes() if masks else 0
         self.masks = masks
+        self.box_classes = info.box_classes() if boxes else 0
+        self.boxes = boxes
         self.by_shard = len(info.urls) >= world_size
         starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
         if self.by_shard:  # rank r: shards r, r + world, ...; positions run on through them
@@ -115,6 +118,9 @@ class EvalStream(IterableDataset):
     def _pair(self, img: Image.Image, mask: Image.Image) -> tuple[torch.Tensor, torch.Tensor]:
         return eval_pair(img, mask, self.img_size, self.crop_fraction)
 
+    def _boxes(self, img: Image.Image, boxes: np.ndarray):
+        return eval_boxes(img, boxes, self.img_size)  # the whole image: a centre crop would cut objects
+
     def __iter__(self) -> Iterator[dict]:
         worker, num_workers = loader_worker()
         lo, hi = worker * self.num_batches // num_workers, (worker + 1) * self.num_batches // num_workers
@@ -122,7 +128,9 @@ class EvalStream(IterableDataset):
             return
         counter = SkipCounter(self.max_skip_fraction, f"eval rank {self.rank} worker {worker}")
         info, bs = self.info, self.batch_size
-        builder = BatchBuilder(bs, self.img_size, info.num_classes, info.multi_label, masks=self.masks)
+        builder = BatchBuilder(
+            bs, self.img_size, info.num_classes, info.multi_label, masks=self.masks, boxes=self.boxes
+        )
         last: list = []  # the last real sample, to repeat into padding slots
 
         def batch() -> dict:
@@ -134,9 +142,13 @@ class EvalStream(IterableDataset):
             while pos >= (b + 1) * bs:
                 yield batch()
                 b += 1
-            mask = None
+            mask = objects = None
             try:
-                if self.masks:
+                if self.boxes:
+                    image, objects, labels = decode_boxes(
+                        sample, info.multi_label, info.num_classes, self.box_classes, self.boxes, self._boxes
+                    )
+                elif self.masks:
                     image, mask, labels = decode_pair(
                         sample, info.multi_label, info.num_classes, self.mask_classes, self._pair
                     )
@@ -146,7 +158,7 @@ class EvalStream(IterableDataset):
                 counter.skip(sample.get("__url__", "?"), f"sample {sample.get('__key__')}", exc)
                 continue
             counter.good()
-            builder.put(pos - b * bs, image, labels, sample["__key__"], mask)
+            builder.put(pos - b * bs, image, labels, sample["__key__"], mask, objects)
         counter.finish()  # a small split never reaches the running check's minimum: judge the whole pass
         while b < hi:
             yield batch()

@@ -91,6 +91,7 @@ def make_train_loader(
     start_batch: int = 0,
     epochs: int | None = None,
     masks: bool = False,
+    boxes: int = 0,
     deal: Deal | None = None,
 ) -> DataLoader:
     """The rank's training batches of `data.batch_size`, continuing at batch `start_batch` of `deal` (resume;
@@ -114,6 +115,7 @@ def make_train_loader(
         max_skip_fraction=data.max_skip_fraction,
         decode=data.decode,
         masks=masks,
+        boxes=boxes,
         deal=deal,
     )
     workers = data.num_workers
@@ -132,6 +134,7 @@ def make_eval_loader(
     img_size: int,
     crop_fraction: float = 0.875,
     masks: bool = False,
+    boxes: int = 0,
 ) -> DataLoader:
     """One deterministic pass over `info`'s split; every rank yields `loader.dataset.num_batches` batches
     {"image", "target", "valid" [B] bool, "skipped"}: sum metrics over valid samples only."""
@@ -144,5 +147,6 @@ def make_eval_loader(
         crop_fraction=crop_fraction,
         max_skip_fraction=data.max_skip_fraction,
         masks=masks,
+        boxes=boxes,
     )
     return _data_loader(stream, data.num_workers, 0)

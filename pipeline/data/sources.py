@@ -34,6 +34,7 @@ class DatasetInfo:
     num_samples: int | None  # exact, from the manifest; None for URLs without one
     shard_counts: list[int] | None = None  # per URL, from the manifest
     segmentation_classes: list[str] | None = None  # per-pixel mask classes (KEY.seg.png), from the manifest
+    detection_classes: list[str] | None = None  # object classes of KEY.boxes.json, from the manifest
 
     def mask_classes(self) -> int:
         """Classes of the per-pixel masks (KEY.seg.png) a segmentation stage reads; an error naming the
@@ -44,6 +45,16 @@ class DatasetInfo:
                 "segmentation_classes (write a dataset with masks, e.g. vitpipe shard synthetic --layout)"
             )
         return len(self.segmentation_classes)
+
+    def box_classes(self) -> int:
+        """Classes of the objects' boxes (KEY.boxes.json) a detection stage reads; an error naming the
+        dataset when its manifest lists none."""
+        if self.detection_classes is None:
+            raise DatasetError(
+                f"{self.urls[0]}...: boxes were asked for, and the manifest lists no detection_classes (write a "
+                "dataset with boxes: vitpipe shard synthetic --layout, or vitpipe shard manifest with a boxes column)"
+            )
+        return len(self.detection_classes)
 
     def epoch_batches(self, world_size: int, batch_size: int, num_workers: int = 1) -> int | None:
         return epoch_batches(self, world_size, batch_size, num_workers)
@@ -118,6 +129,7 @@ def dataset_info(
             num_samples=sum(s.count for s in shards),
             shard_counts=[s.count for s in shards],
             segmentation_classes=manifest.segmentation_classes,
+            detection_classes=manifest.detection_classes,
         )
     urls = expand_urls(source)
     if not urls:

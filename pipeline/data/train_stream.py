@@ -52,6 +52,7 @@ from pipeline.data import seeds
 from pipeline.data.batching import (
     BatchBuilder,
     decode,
+    decode_boxes,
     decode_pair,
     image_bytes,
     loader_worker,
@@ -60,7 +61,7 @@ from pipeline.data.batching import (
 from pipeline.data.deal import Deal, Piece, batches_done_by_worker, position, shards_for
 from pipeline.data.shard_reader import SkipCounter, read_shards
 from pipeline.data.sources import DatasetInfo, epoch_batches
-from pipeline.data.transforms import train_crop_plan, train_pair, train_tensor
+from pipeline.data.transforms import train_boxes, train_crop_plan, train_pair, train_tensor
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,7 @@ class ShardStream(IterableDataset):
         max_skip_fraction: float = 0.01,
         decode: str = "cpu",
         masks: bool = False,
+        boxes: int = 0,
         deal: Deal | None = None,
     ):
         if decode not in ("cpu", "cuda"):
@@ -133,7 +135,12 @@ class ShardStream(IterableDataset):
             raise ValueError(
                 "masks (segmentation) need decode='cpu' and no RandAugment: both move pixels off their mask"
             )
+        if boxes and (decode != "cpu" or randaugment is not None):
+            raise ValueError(
+                "boxes (detection) need decode='cpu' and no RandAugment: its ops move pixels off their boxes"
+            )
         self.mask_classes = info.mask_classes() if masks else 0
+        self.box_classes = info.box_classes() if boxes else 0
         workers = max(1, num_workers)
         slots = world_size * workers
         deal = deal or Deal(world_size, workers, batch_size, 1)
@@ -172,7 +179,7 @@ class ShardStream(IterableDataset):
         self.start_batch, self.resampled, self.epochs = start_batch, resampled, epochs
         self.deal = deal
         self.randaugment, self.max_skip_fraction = randaugment, max_skip_fraction
-        self.hflip, self.decode, self.masks = hflip, decode, masks
+        self.hflip, self.decode, self.masks, self.boxes = hflip, decode, masks, boxes
         self._counts = dict(zip(info.urls, info.shard_counts)) if info.shard_counts else None
 
     @staticmethod
@@ -299,6 +306,16 @@ class ShardStream(IterableDataset):
                 partial(train_pair, size=self.img_size, rng=rng, min_scale=self.min_scale, hflip=self.hflip),
             )
             return builder.add(image, labels, sample["__key__"], mask)
+        if self.boxes:
+            image, objects, labels = decode_boxes(
+                sample,
+                multi,
+                k,
+                self.box_classes,
+                self.boxes,
+                partial(train_boxes, size=self.img_size, rng=rng, min_scale=self.min_scale, hflip=self.hflip),
+            )
+            return builder.add(image, labels, sample["__key__"], objects=objects)
         if self.decode == "cuda":
             data = image_bytes(sample)
             with Image.open(io.BytesIO(data)) as img:  # the header only: size and format
@@ -317,7 +334,13 @@ class ShardStream(IterableDataset):
         counter = SkipCounter(self.max_skip_fraction, f"rank {self.rank} worker {worker}")
         multi, k = self.info.multi_label, self.info.num_classes
         builder = BatchBuilder(
-            self.batch_size, self.img_size, k, multi, encoded=self.decode == "cuda", masks=self.masks
+            self.batch_size,
+            self.img_size,
+            k,
+            multi,
+            encoded=self.decode == "cuda",
+            masks=self.masks,
+            boxes=self.boxes,
         )
         rounds, to_skip = self._resume(worker, num_workers)
         for rnd in rounds:

@@ -280,6 +280,58 @@ def eval_pair(
     return _crop_pair(img, mask, center_crop_box(img.width, img.height, size, crop_fraction), size)
 
 
+def crop_boxes(boxes: np.ndarray, crop: Box, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Boxes [M, 4] (left, top, right, bottom in the image's pixels) seen through the crop `crop` (same
+    units) resized to size x size -> (boxes [K, 4] as fractions of the output, clipped to it, keep [M] bool):
+    a box keeps what shows of it; one of which less than 1 output pixel across shows is dropped."""
+    left, top, right, bottom = crop
+    scale = np.array([right - left, bottom - top, right - left, bottom - top], dtype=np.float64)
+    out = (np.asarray(boxes, dtype=np.float64).reshape(-1, 4) - [left, top, left, top]) / scale
+    out = out.clip(0.0, 1.0)
+    keep = ((out[:, 2] - out[:, 0]) * size >= 1.0) & ((out[:, 3] - out[:, 1]) * size >= 1.0)
+    return out[keep], keep
+
+
+def flip_boxes(boxes: np.ndarray) -> np.ndarray:
+    """Fractional (left, top, right, bottom) boxes of an image flipped left-right."""
+    return np.stack([1.0 - boxes[:, 2], boxes[:, 1], 1.0 - boxes[:, 0], boxes[:, 3]], axis=1)
+
+
+def _crop_with_boxes(
+    img: Image.Image, boxes: np.ndarray, box: Box, size: int
+) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    """The crop `box` of an image resized to size x size, and its objects' boxes seen through the very
+    pixels the (possibly reduced-scale) decoded image's whole-pixel crop covers (`crop_boxes`)."""
+    img_w, img_h = img.width, img.height
+    img, scaled, (sx, sy) = _drafted(img, box, size)
+    left, top, right, bottom = _int_box(scaled, img.width, img.height)
+    image = resized_crop(img, (left, top, right, bottom), size)
+    covered = (left / sx, top / sy, min(right / sx, img_w), min(bottom / sy, img_h))
+    return (image, *crop_boxes(boxes, covered, size))
+
+
+def train_boxes(
+    img: Image.Image,
+    boxes: np.ndarray,
+    size: int,
+    rng: np.random.Generator,
+    min_scale: float = 0.08,
+    hflip: bool = True,
+) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    """`train_tensor` (no RandAugment) of an image and its objects' boxes [M, 4] (left, top, right, bottom
+    in pixels): one crop box and one flip (`train_crop_plan`) -> (uint8 [3, size, size], the kept boxes as
+    fractions of the output [K, 4], keep [M] bool; `crop_boxes`)."""
+    box, flip = train_crop_plan(img.width, img.height, rng, min_scale, hflip)
+    image, out, keep = _crop_with_boxes(img, boxes, box, size)
+    return (image.flip(-1), flip_boxes(out), keep) if flip else (image, out, keep)
+
+
+def eval_boxes(img: Image.Image, boxes: np.ndarray, size: int) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    """The whole image resized to size x size (no centre crop: it would cut objects off), with its boxes
+    as fractions of it: what a detection eval sees; fractions times the image's own size are its pixels."""
+    return _crop_with_boxes(img, boxes, (0, 0, img.width, img.height), size)
+
+
 def train_crop_plan(
     width: int, height: int, rng: np.random.Generator, min_scale: float = 0.08, hflip: bool = True
 ) -> tuple[tuple[int, int, int, int], bool]:

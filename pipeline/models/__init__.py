@@ -1,6 +1,7 @@
 """Single-device model code: no torch.distributed, DeepSpeed, Ray or MLflow in this package."""
 
 from pipeline.models.cvt import ConvolutionalVisionTransformer  # registers cvt_*
+from pipeline.models.detr import DETR  # registers detr_vit_*
 from pipeline.models.levit import Levit  # registers levit_*
 from pipeline.models.mae import MaskedAutoencoderViT  # registers mae_vit_*
 from pipeline.models.masked_patch import MaskedPatchPredictionViT  # registers mpp_vit_*
@@ -14,6 +15,7 @@ from pipeline.models.vit import VisionTransformer
 
 __all__ = [
     "ConvolutionalVisionTransformer",
+    "DETR",
     "Levit",
     "MaskedAutoencoderViT",
     "MaskedPatchPredictionViT",

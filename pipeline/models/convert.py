@@ -99,3 +99,34 @@ def load_timm_state_dict(
 def export_timm_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's weights in the timm layout (detached CPU copies), ready for `torch.save` or safetensors."""
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def load_encoder_export(model: nn.Module, state: dict, init_head: bool, task: str) -> None:
+    """Load an export into a model that wraps a plain ViT `encoder` under a task head (SETR, DETR): the
+    model's own export (the encoder and, with `init_head`, the rest, which must fit exactly), or any plain
+    ViT's into the encoder alone (supervised, MAE or masked-patch-prediction encoders). Position embeddings
+    are resampled to the model's grid; a classifier head in the export is left out. `task` names the head
+    in errors ("a SETR decoder")."""
+    if any(k.startswith("encoder.") for k in state):
+        encoder = {k.removeprefix("encoder."): v for k, v in state.items() if k.startswith("encoder.")}
+        load_timm_state_dict(model.encoder, encoder, strict_head=False, reset_head=True)
+        if init_head:
+            theirs = {k: v for k, v in state.items() if not k.startswith("encoder.")}
+            own = {k: v for k, v in model.state_dict().items() if not k.startswith("encoder.")}
+            shapes = [
+                f"{k}: export {tuple(theirs[k].shape)}, model {tuple(v.shape)}"
+                for k, v in own.items()
+                if k in theirs and theirs[k].shape != v.shape
+            ]
+            if set(theirs) != set(own) or shapes:
+                raise CheckpointMismatch(
+                    sorted(set(own) - set(theirs)), sorted(set(theirs) - set(own)), shapes
+                )
+            model.load_state_dict({**model.state_dict(), **theirs})
+        return
+    if init_head:
+        raise KeyError(
+            f"the export is a plain ViT's (no encoder.* keys): it has no {task} to load; use it with "
+            "init_head: false to start from its encoder"
+        )
+    load_timm_state_dict(model.encoder, state, strict_head=False, reset_head=True)

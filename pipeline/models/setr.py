@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.models.convert import CheckpointMismatch, load_timm_state_dict
+from pipeline.models.convert import load_encoder_export
 from pipeline.models.registry import register
 from pipeline.models.vit import VIT_SHAPES, VisionTransformer
 
@@ -122,29 +122,7 @@ class SETR(nn.Module):
         """Load an export: a SETR's (encoder and, with `init_head`, decoder), or any plain ViT's into the
         encoder alone (supervised, MAE or masked-patch-prediction encoders). Position embeddings are
         resampled to this model's grid; a classifier head in the export is left out."""
-        if any(k.startswith("encoder.") for k in state):
-            encoder = {k.removeprefix("encoder."): v for k, v in state.items() if k.startswith("encoder.")}
-            load_timm_state_dict(self.encoder, encoder, strict_head=False, reset_head=True)
-            if init_head:
-                theirs = {k: v for k, v in state.items() if not k.startswith("encoder.")}
-                own = {k: v for k, v in self.state_dict().items() if not k.startswith("encoder.")}
-                shapes = [
-                    f"{k}: export {tuple(theirs[k].shape)}, model {tuple(v.shape)}"
-                    for k, v in own.items()
-                    if k in theirs and theirs[k].shape != v.shape
-                ]
-                if set(theirs) != set(own) or shapes:
-                    raise CheckpointMismatch(
-                        sorted(set(own) - set(theirs)), sorted(set(theirs) - set(own)), shapes
-                    )
-                self.load_state_dict({**self.state_dict(), **theirs})
-            return
-        if init_head:
-            raise KeyError(
-                "the export is a plain ViT's (no encoder.* keys): it has no SETR decoder to load; use it with "
-                "init_head: false to start segmentation from its encoder"
-            )
-        load_timm_state_dict(self.encoder, state, strict_head=False, reset_head=True)
+        load_encoder_export(self, state, init_head, "SETR decoder")
 
 
 def _register(decoder: str, shape: str) -> None:

@@ -286,6 +286,7 @@ def train(
         seed=cfg.seed,
         start_batch=deal.rank_batches(start),
         masks=cfg.objective.name == "segmentation",
+        boxes=model.num_queries if cfg.objective.name == "detection" else 0,  # at most one object per query
         deal=deal,
     )
 
