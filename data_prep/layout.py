@@ -87,34 +87,38 @@ def parse_boxes(data: bytes | str, image_size: tuple[int, int] | None, num_class
         raise ValueError(f'{BOXES_EXT} must be {{"boxes": [[x, y, w, h], ...], "classes": [i, ...]}}')
     boxes, classes = doc["boxes"], doc["classes"]
     if len(boxes) != len(classes):
-        raise ValueError(f"{BOXES_EXT} has {len(boxes)} boxes and {len(classes)} classes: one class per box")
+        raise ValueError(
+            f"box classes do not match the boxes ({BOXES_EXT} has {len(boxes)} boxes and {len(classes)} classes)"
+        )
     out = []
     for i, (box, cls) in enumerate(zip(boxes, classes)):
         out.append(check_box(box, image_size, f"{BOXES_EXT} box {i}"))
         if isinstance(cls, bool) or not isinstance(cls, int) or not 0 <= cls < num_classes:
             raise ValueError(
-                f"{BOXES_EXT} box {i} has class {cls!r}, manifest.json lists {num_classes} detection_classes"
+                f"unknown box class ({BOXES_EXT} box {i} has class {cls!r}, manifest.json lists {num_classes} "
+                "detection_classes)"
             )
     return out, [int(c) for c in classes]
 
 
 def check_box(box, image_size: tuple[int, int] | None, what: str) -> list[float]:
-    """One COCO-style [x, y, w, h] box in pixels, checked (see `parse_boxes`) -> 4 floats."""
+    """One COCO-style [x, y, w, h] box in pixels, checked (see `parse_boxes`) -> 4 floats. A message starts
+    with the kind of problem (what `vitpipe shard` counts), then names `what` and the values."""
     if not isinstance(box, list | tuple) or len(box) != 4:
-        raise ValueError(f"{what} is {box!r}, expected [x, y, w, h] in pixels")
+        raise ValueError(f"malformed box ({what} is {box!r}, expected [x, y, w, h] in pixels)")
     try:
         x, y, w, h = (float(v) for v in box)
     except (TypeError, ValueError):
-        raise ValueError(f"{what} is {box!r}, expected 4 numbers [x, y, w, h]") from None
+        raise ValueError(f"malformed box ({what} is {box!r}, expected 4 numbers [x, y, w, h])") from None
     if not all(math.isfinite(v) for v in (x, y, w, h)) or w <= 0 or h <= 0:
-        raise ValueError(f"{what} is {box!r}: w and h must be > 0 and every value finite")
+        raise ValueError(f"empty box ({what} is {box!r}: w and h must be > 0 and every value finite)")
     if image_size is not None:
         width, height = image_size
         t = BOX_TOLERANCE
         if x < -t or y < -t or x + w > width + t or y + h > height + t:
             raise ValueError(
-                f"{what} [x={x:g}, y={y:g}, w={w:g}, h={h:g}] is outside the {width}x{height} image "
-                "(COCO-style: x, y the top-left corner, in the image's pixels)"
+                f"box outside the image ({what} [x={x:g}, y={y:g}, w={w:g}, h={h:g}] is not inside the "
+                f"{width}x{height} image; COCO-style: x, y the top-left corner, in the image's pixels)"
             )
     return [x, y, w, h]
 

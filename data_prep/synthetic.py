@@ -240,7 +240,9 @@ def render_layout_objects(index: int, seed: int, objects: int, width: int, heigh
     for (t, cx2, cy2), s in zip(placed, placed_sides):
         if (t, cx2, cy2) in kept:
             x, y = (cx2 - s) // 2, (cy2 - s) // 2  # centre (2 x + s, 2 y + s) -> corner (x, y)
-            boxes.append((t, [x, y, min(s + 1, width - x), min(s + 1, height - y)]))  # pixel x + s may be off it
+            boxes.append(
+                (t, [x, y, min(s + 1, width - x), min(s + 1, height - y)])
+            )  # pixel x + s may be off it
     return img, mask, labels, boxes
 
 

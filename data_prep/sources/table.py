@@ -145,12 +145,14 @@ class ManifestSource:
             try:
                 raw = json.loads(text) if text else []
             except json.JSONDecodeError:
-                raise ValueError(f"boxes {text[:80]!r} are not a JSON list of [x, y, w, h]") from None
+                raise ValueError(
+                    f"malformed boxes ({text[:80]!r} is not a JSON list of [x, y, w, h])"
+                ) from None
         raw = [] if raw is None else raw
         if not isinstance(raw, list):
-            raise ValueError(f"boxes {raw!r} are not a list of [x, y, w, h]")
+            raise ValueError(f"malformed boxes ({raw!r} is not a list of [x, y, w, h])")
         if len(raw) != len(names):
-            raise ValueError(f"{len(raw)} boxes and {len(names)} box_labels: one label per box")
+            raise ValueError(f"box_labels do not match boxes ({len(raw)} boxes, {len(names)} box_labels)")
         out = []
         for i, (box, name) in enumerate(zip(raw, names)):
             x, y, w, h = check_box(list(box) if isinstance(box, tuple) else box, None, f"box {i}")
@@ -160,7 +162,7 @@ class ManifestSource:
                 known = ", ".join(self.detection_classes[:8]) + (
                     ", ..." if len(self.detection_classes) > 8 else ""
                 )
-                raise ValueError(f"box {i}: {exc} (box classes: {known})") from None
+                raise ValueError(f"unknown box label (box {i}: {exc}; box classes: {known})") from None
             out.append((cls, (x, y, w, h)))
         return tuple(out)
 

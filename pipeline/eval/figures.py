@@ -145,3 +145,62 @@ def segmentation_figure(
     fig.legend(handles=handles, loc="lower center", ncol=min(4, len(handles)), fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, 0.6 / (2.0 * n + 0.8) + 0.02, 1, 1))
     return _save(fig, out)
+
+
+FIGURE_SCORE = 0.5  # predicted boxes drawn: those scored at least this (DETR's demo draws >= 0.7)
+
+
+def detection_figure(
+    images: torch.Tensor,
+    true: list[tuple[np.ndarray, np.ndarray]],
+    predicted: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+    class_names: list[str],
+    out: Path,
+    min_score: float = FIGURE_SCORE,
+) -> Path:
+    """Rows of (true boxes, predicted boxes) drawn on each eval image: images uint8 [n, 3, H, W] as the model
+    saw them; `true` per image (boxes [k, 4], classes [k]) and `predicted` (boxes [q, 4], scores [q],
+    classes [q]), boxes (x0, y0, x1, y1) as fractions of the image. Predictions scored below `min_score`
+    are left out; a box's colour is its class, a legend names them, predictions carry their score."""
+    from matplotlib.patches import Patch, Rectangle  # heavy: see pipeline.models.analysis.new_figure
+
+    n = images.shape[0]
+    palette = _palette(len(class_names) + 1)[1:]  # no black: boxes go on images
+    fig = new_figure((5.0, 2.5 * n + 0.8))
+    axes = fig.subplots(n, 2, squeeze=False)
+    for i in range(n):
+        h, w = images.shape[2], images.shape[3]
+        boxes_true, classes_true = true[i]
+        boxes_pred, scores, classes_pred = predicted[i]
+        shown = scores >= min_score
+        rows = (
+            (boxes_true, classes_true, None, "true"),
+            (boxes_pred[shown], classes_pred[shown], scores[shown], f"predicted (score >= {min_score:g})"),
+        )
+        for j, (boxes, classes, score, title) in enumerate(rows):
+            ax = axes[i][j]
+            ax.imshow(images[i].permute(1, 2, 0).numpy(), interpolation="nearest")
+            for k, ((x0, y0, x1, y1), c) in enumerate(zip(boxes, classes)):
+                colour = palette[int(c) % len(palette)]
+                ax.add_patch(
+                    Rectangle(
+                        (x0 * w - 0.5, y0 * h - 0.5),
+                        (x1 - x0) * w,
+                        (y1 - y0) * h,
+                        fill=False,
+                        lw=1.5,
+                        ec=colour,
+                    )
+                )
+                if score is not None:
+                    ax.text(x0 * w, y0 * h, f"{score[k]:.2f}", color=colour, fontsize=6, va="bottom")
+            ax.set_xlim(-0.5, w - 0.5)
+            ax.set_ylim(h - 0.5, -0.5)
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if i == 0:
+                ax.set_title(title, fontsize=8)
+    handles = [Patch(color=palette[k % len(palette)], label=name) for k, name in enumerate(class_names)]
+    fig.legend(handles=handles, loc="lower center", ncol=min(3, len(handles)), fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.6 / (2.5 * n + 0.8) + 0.02, 1, 1))
+    return _save(fig, out)

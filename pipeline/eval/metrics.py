@@ -189,3 +189,63 @@ def segmentation_scores(conf: torch.Tensor) -> dict[str, float | list[float | No
         "mean_accuracy": sum(acc) / len(acc) if acc else float("nan"),
         "iou": iou,
     }
+
+
+# ---------------------------------------------------------------- detection
+
+
+COCO_AP_NAMES = ("map", "ap50", "ap75", "ap_small", "ap_medium", "ap_large")  # COCOeval.stats[0:6]
+
+
+def coco_box_ap(
+    truth: Sequence[tuple[Sequence[Sequence[float]], Sequence[int], tuple[int, int]]],
+    found: Sequence[tuple[Sequence[Sequence[float]], Sequence[float], Sequence[int]]],
+    num_classes: int,
+) -> dict[str, float | None]:
+    """COCO box AP by pycocotools (the reference implementation): `truth` per image (boxes [[x, y, w, h], ...]
+    in pixels, their classes, the image's (w, h)), `found` per image in the same order (boxes, scores,
+    classes) -> {"map": AP@[.5:.95], "ap50", "ap75", "ap_small", "ap_medium", "ap_large"}, each in [0, 1], or
+    None where no object of that size exists (COCOeval's -1). Up to 100 detections per image count."""
+    import contextlib
+    import io
+
+    import numpy as np
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+
+    if len(truth) != len(found):
+        raise ValueError(f"{len(truth)} images of ground truth, {len(found)} of detections")
+    images, annotations, rows = [], [], []
+    for i, ((boxes, classes, (w, h)), (pred, scores, labels)) in enumerate(zip(truth, found)):
+        images.append({"id": i, "width": int(w), "height": int(h)})
+        for box, c in zip(boxes, classes):
+            bw, bh = float(box[2]), float(box[3])
+            annotations.append(
+                {
+                    "id": len(annotations) + 1,  # COCO ids start at 1
+                    "image_id": i,
+                    "category_id": int(c),
+                    "bbox": [float(v) for v in box],
+                    "area": bw * bh,
+                    "iscrowd": 0,
+                }
+            )
+        for box, score, c in zip(pred, scores, labels):
+            rows.append([i, *(float(v) for v in box), float(score), int(c)])
+    if not annotations:
+        raise ValueError("no ground-truth box in the evaluated images: AP is undefined")
+    with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints its progress and the table
+        coco = COCO()
+        coco.dataset = {
+            "images": images,
+            "annotations": annotations,
+            "categories": [{"id": c, "name": str(c)} for c in range(num_classes)],
+        }
+        coco.createIndex()
+        if not rows:
+            return {name: 0.0 for name in COCO_AP_NAMES}
+        evaluator = COCOeval(coco, coco.loadRes(np.asarray(rows, dtype=np.float64)), "bbox")
+        evaluator.evaluate()
+        evaluator.accumulate()
+        evaluator.summarize()
+    return {name: (None if v < 0 else float(v)) for name, v in zip(COCO_AP_NAMES, evaluator.stats[:6])}

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -36,9 +37,16 @@ from pipeline.data.loader import make_eval_loader
 from pipeline.data.sources import DatasetInfo, dataset_info
 from pipeline.data.transforms import normalize
 from pipeline.eval.fewshot import fewshot_ridge, linear_probe
-from pipeline.eval.figures import model_figures, segmentation_figure, source_loss_curve, source_stage_dir
+from pipeline.eval.figures import (
+    detection_figure,
+    model_figures,
+    segmentation_figure,
+    source_loss_curve,
+    source_stage_dir,
+)
 from pipeline.eval.metrics import (
     MetricState,
+    coco_box_ap,
     confusion_matrix,
     mean_average_precision,
     segmentation_scores,
@@ -46,6 +54,8 @@ from pipeline.eval.metrics import (
     topk_correct,
 )
 from pipeline.models import create_model
+from pipeline.models.boxes import cxcywh_to_xyxy
+from pipeline.models.detr import detections
 from pipeline.stage import Stage, init_weights, model_kwargs, open_stage, output_classes
 from pipeline.tracking import Tracker
 from pipeline.train.engine import DistContext
@@ -260,6 +270,8 @@ def evaluate(
     info = dataset_info(cfg.data.train, e.eval_split, **labels)
     if cfg.objective.name == "segmentation":
         return evaluate_segmentation(cfg, stage, info, report, parent_run_id)
+    if cfg.objective.name == "detection":
+        return evaluate_detection(cfg, stage, info, report, parent_run_id)
     num_classes = cfg.model.num_classes or info.num_classes
     model, meta = load_model(cfg, num_classes, ctx.device)
     amp = _amp_dtype(cfg, ctx.device)
@@ -460,6 +472,126 @@ def evaluate_segmentation(
                 details["figures_skipped"] = {"segmentation_masks": f"failed: {exc!r}"}
         if ctx.is_main:
             _count_unreadable(cfg, info, int(seen), details)
+        _finish(cfg, ctx, tracker, metrics, details, meta, report)
+    dist.barrier()
+    return metrics
+
+
+# ---------------------------------------------------------------- detection
+
+
+def _pixels_xywh(boxes: torch.Tensor, size: torch.Tensor) -> np.ndarray:
+    """(cx, cy, w, h) fractions [k, 4] of an image of `size` (w, h) -> COCO [x, y, w, h] pixels [k, 4]."""
+    w, h = size.tolist()
+    b = boxes.double().numpy() * [w, h, w, h]
+    return np.stack([b[:, 0] - b[:, 2] / 2, b[:, 1] - b[:, 3] / 2, b[:, 2], b[:, 3]], axis=1)
+
+
+def _fraction_xyxy(boxes: torch.Tensor) -> np.ndarray:
+    return cxcywh_to_xyxy(boxes.float()).numpy()
+
+
+def evaluate_detection(
+    cfg: StageConfig,
+    stage: Stage,
+    info: DatasetInfo,
+    report: Callable[[dict], None] | None,
+    parent_run_id: str | None,
+) -> dict[str, float]:
+    """The eval stage of a DETR export: COCO box AP (mAP@[.5:.95], AP50, AP75 to MLflow; by object size in
+    eval.json) over eval_split by pycocotools, and a figure of true and predicted boxes on a few images.
+
+    Each image is evaluated whole, resized to img_size (no centre crop, which would cut objects off); the
+    predictions (every query, scored by its class probability: DETR's post-processing) are mapped back to
+    the stored image's pixels, where the true boxes are. Every rank's rows are gathered on rank 0 in key
+    order, the order one process sees whatever the world size, evaluated there, and the metrics broadcast.
+    Few-shot and the probe are classification evaluations: not run here."""
+    ctx, e = stage.ctx, cfg.eval
+    batch_size = e.batch_size or cfg.data.batch_size
+    classes = list(info.detection_classes or [])
+    num_classes = output_classes(cfg, info)
+    model, meta = load_model(cfg, num_classes, ctx.device, classifier=False)
+    amp = _amp_dtype(cfg, ctx.device)
+    tags = {"kind": "eval", "init_from": str(cfg.model.init_from)}
+    with stage.tracking(tags, parent_run_id) as tracker:
+        if ctx.is_main:
+            print(
+                f"[{cfg.name}] detection eval of {cfg.model.init_from} (step {meta.get('step', '?')}) | "
+                f"{cfg.data.train} {e.eval_split} | {num_classes} classes, {model.num_queries} queries | "
+                f"world {ctx.world_size}",
+                flush=True,
+            )
+        loader = make_eval_loader(
+            info,
+            cfg.data,
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            batch_size=batch_size,
+            img_size=cfg.model.img_size,
+            boxes=model.num_queries,
+        )
+        rows: list[tuple] = []  # (key, true boxes, true classes, (w, h), boxes, scores, classes) per image
+        shown: list[
+            tuple
+        ] = []  # (image, (true xyxy, classes), (predicted xyxy, scores, classes)) for the figure
+        with torch.no_grad():
+            for batch in loader:
+                x = normalize(batch["image"].to(ctx.device, non_blocking=True))
+                with torch.autocast(ctx.device.type, dtype=amp or torch.float32, enabled=amp is not None):
+                    logits, boxes = model(x)
+                scores, labels, found = (t.cpu() for t in detections(logits[-1], boxes[-1]))
+                for i in batch["valid"].nonzero().flatten().tolist():
+                    real = batch["box_classes"][i] >= 0
+                    true, true_classes = batch["boxes"][i][real], batch["box_classes"][i][real]
+                    size = batch["image_size"][i]
+                    rows.append(
+                        (
+                            batch["key"][i],
+                            _pixels_xywh(true, size),
+                            true_classes.numpy(),
+                            tuple(size.tolist()),
+                            _pixels_xywh(found[i], size),
+                            scores[i].numpy(),
+                            labels[i].numpy(),
+                        )
+                    )
+                    if len(shown) < FIGURE_ROWS:
+                        truth = (_fraction_xyxy(true), true_classes.numpy())
+                        guess = (_fraction_xyxy(found[i]), scores[i].numpy(), labels[i].numpy())
+                        shown.append((batch["image"][i], truth, guess))
+        parts: list | None = [None] * ctx.world_size if ctx.is_main else None
+        dist.gather_object(rows, parts, dst=0, group=ctx.control_group)  # gloo: whatever the training backend
+        result: list = [None]
+        if ctx.is_main:
+            ordered = sorted((r for p in parts for r in p), key=lambda r: r[0])
+            ap = coco_box_ap(
+                [(r[1], r[2], r[3]) for r in ordered], [(r[4], r[5], r[6]) for r in ordered], num_classes
+            )
+            result = [(ap, len(ordered))]
+        dist.broadcast_object_list(result, src=0, group=ctx.control_group)
+        ap, seen = result[0]
+        metrics = {"eval/box_map": ap["map"], "eval/box_ap50": ap["ap50"], "eval/box_ap75": ap["ap75"]}
+        details: dict = {
+            "eval_samples": seen,
+            "box_ap_by_size": {k: ap[k] for k in ("ap_small", "ap_medium", "ap_large")},
+            "detection_classes": classes,
+        }
+        if ctx.is_main and e.figures:
+            try:
+                if shown:
+                    images = torch.stack([row[0] for row in shown])
+                    out = cfg.run_path / "figures" / "detection_boxes.png"
+                    figure = detection_figure(
+                        images, [r[1] for r in shown], [r[2] for r in shown], classes, out
+                    )
+                    tracker.log_artifact(str(figure), "figures")
+                else:
+                    details["figures_skipped"] = {"detection_boxes": "no readable eval image on rank 0"}
+            except Exception as exc:  # figures are optional: a plotting failure must not lose the metrics
+                log.exception("detection figure failed")
+                details["figures_skipped"] = {"detection_boxes": f"failed: {exc!r}"}
+        if ctx.is_main:
+            _count_unreadable(cfg, info, seen, details)
         _finish(cfg, ctx, tracker, metrics, details, meta, report)
     dist.barrier()
     return metrics

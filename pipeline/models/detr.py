@@ -9,10 +9,11 @@ predict a class (or "no object") and a box; training matches predictions to obje
 
 Boxes are (centre x, centre y, w, h) as fractions of the image (a sigmoid), so one model serves every
 image size. The decoder is DETR's with pre-norm layers (its `normalize_before`, steadier from scratch):
-self-attention among the queries, cross-attention to the projected patch tokens with a fixed 2-D sin-cos
-position code, an MLP; the queries' learned positions are added to queries and keys at every layer, and
-one final norm and the shared class and box heads read every layer's output (DETR's auxiliary losses use
-them all; evaluation the last).
+self-attention among the queries (from the second layer on: the first one's queries are all zero),
+cross-attention to the projected patch tokens with a fixed 2-D sin-cos position code, an MLP; the
+queries' learned positions are added to queries and keys at every layer, and one final norm and the
+shared class and box heads read every layer's output (DETR's auxiliary losses use them all; evaluation
+the last).
 
 Every plain ViT size is registered (`detr_vit_debug` ... `detr_vit_G14`); any ViT option (pos_embed, pool,
 drop_path_rate, ...) passes through to the encoder. Pretrained weights load into the encoder from any ViT
@@ -62,26 +63,36 @@ class CrossAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm DETR decoder layer: self-attention, cross-attention to the memory, MLP."""
+    """Pre-norm DETR decoder layer: self-attention, cross-attention to the memory, MLP. The `first` layer
+    takes all-zero queries: it has no self-attention (among equal queries it would only pass on its value
+    bias; DETR's first one learns nothing else) and its cross-attention is asked by the query positions."""
 
-    def __init__(self, dim: int, num_heads: int, mlp_dim: int):
+    def __init__(self, dim: int, num_heads: int, mlp_dim: int, first: bool = False):
         super().__init__()
-        self.norm1, self.self_attn = nn.LayerNorm(dim), CrossAttention(dim, num_heads)
-        self.norm2, self.cross_attn = nn.LayerNorm(dim), CrossAttention(dim, num_heads)
+        self.first = first
+        if not first:
+            self.norm1, self.self_attn = nn.LayerNorm(dim), CrossAttention(dim, num_heads)
+            self.norm2 = nn.LayerNorm(dim)
+        self.cross_attn = CrossAttention(dim, num_heads)
         self.norm3, self.mlp = nn.LayerNorm(dim), Mlp(dim, mlp_dim)
 
     def forward(
         self, x: torch.Tensor, query_pos: torch.Tensor, memory: torch.Tensor, memory_pos: torch.Tensor
     ) -> torch.Tensor:
-        y = self.norm1(x)
-        x = x + self.self_attn(y + query_pos, y + query_pos, y)
-        x = x + self.cross_attn(self.norm2(x) + query_pos, memory + memory_pos, memory)
+        keys = memory + memory_pos
+        if self.first:  # x is all zeros
+            x = self.cross_attn(query_pos, keys, memory)
+        else:
+            y = self.norm1(x)
+            x = x + self.self_attn(y + query_pos, y + query_pos, y)
+            x = x + self.cross_attn(self.norm2(x) + query_pos, keys, memory)
         return x + self.mlp(self.norm3(x))
 
     def forward_macs(self, queries: int, tokens: int) -> int:
         mlp = self.mlp
+        own = 0 if self.first else self.self_attn.forward_macs(queries, queries)
         return (
-            self.self_attn.forward_macs(queries, queries)
+            own
             + self.cross_attn.forward_macs(queries, tokens)
             + linear_macs(mlp.fc1, queries)
             + linear_macs(mlp.fc2, queries)
@@ -124,7 +135,7 @@ class DETR(nn.Module):
         self.input_proj = nn.Linear(self.encoder.embed_dim, d)
         self.query_pos = nn.Parameter(torch.randn(num_queries, d))  # DETR's nn.Embedding: N(0, 1)
         self.layers = nn.ModuleList(
-            DecoderLayer(d, decoder_heads, decoder_mlp_dim) for _ in range(decoder_depth)
+            DecoderLayer(d, decoder_heads, decoder_mlp_dim, first=i == 0) for i in range(decoder_depth)
         )
         self.norm = nn.LayerNorm(d)
         self.class_head = nn.Linear(d, num_classes + 1)  # + "no object", last
