@@ -27,6 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from data_prep.synthetic import class_names, synthetic_samples
 from data_prep.writer import write_dataset
 from pipeline.models import (
+    DETR,
     SETR,
     MaskedAutoencoderViT,
     MaskedPatchPredictionViT,
@@ -56,7 +57,7 @@ ROOT = Path(__file__).parents[1]
 
 # ---------------------------------------------------------------------- model selection
 
-KINDS = ("classifier", "vit", "masked_image", "mae", "masked_patch", "simmim", "segmentation")
+KINDS = ("classifier", "vit", "masked_image", "mae", "masked_patch", "simmim", "segmentation", "detection")
 # The masked-image wrappers by class: each has its own objective and its own tests.
 WRAPPERS = {"mae": MaskedAutoencoderViT, "masked_patch": MaskedPatchPredictionViT, "simmim": SimMIM}
 
@@ -80,11 +81,14 @@ def model_kinds(name: str) -> frozenset[str]:
     "vit"           a VisionTransformer (every ViT size and the hybrid), also a classifier;
     "masked_image"  a pretraining wrapper that exports a classifier (`export_encoder`), and which one:
                     "mae", "masked_patch" (masked patch prediction) or "simmim";
-    "segmentation"  a per-pixel classifier (SETR: test_segmentation.py).
+    "segmentation"  a per-pixel classifier (SETR: test_segmentation.py);
+    "detection"     a set-prediction detector (DETR: test_detection.py).
     """
     model = _meta(name)
     if isinstance(model, SETR):
         return frozenset({"segmentation"})
+    if isinstance(model, DETR):
+        return frozenset({"detection"})
     if hasattr(model, "export_encoder"):
         wrapper = [k for k, cls in WRAPPERS.items() if isinstance(model, cls)]
         if not wrapper:

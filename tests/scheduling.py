@@ -20,6 +20,7 @@ import pytest
 RAY_GROUPS = {
     "test_a_killed_node_recovers_with_the_weights_of_an_uninterrupted_run": "ray_b",
     "test_retries_exhausted_fail_the_job_and_the_mlflow_runs": "ray_b",
+    "test_the_detection_experiment_runs_as_ray_stages_in_a_tiny_variant": "ray_b",
     "test_thin_run_on_two_ray_workers": "ray_c",
     "test_segmentation_stages_run_as_ray_stages": "ray_c",
     "test_an_elastic_stage_that_loses_a_node_goes_on_on_the_rest": "ray_c",
@@ -48,6 +49,7 @@ LONG_TESTS = {
     "test_same_seed_same_losses_on_cpu": 55,
     "test_every_objective_trains_and_its_loss_falls": 50,
     "test_setr_trains_from_an_mae_encoder_under_every_zero_stage_and_reports_miou": 155,
+    "test_detr_trains_from_an_mae_encoder_under_every_zero_stage_and_reports_box_ap": 155,
     "test_vitpipe_compare_command": 45,
 }
 

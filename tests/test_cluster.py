@@ -502,3 +502,30 @@ def test_nodes_that_share_only_the_bucket_and_mlflow_run_stop_and_resume_an_expe
     for disk in (head_disk, worker_disk):
         for stage in ("pretrain", "finetune"):
             assert len(_tags_on(disk, stage)) <= 2, (disk, stage, _tags_on(disk, stage))
+
+
+def test_the_detection_experiment_runs_as_ray_stages_in_a_tiny_variant(ray_cluster, tmp_path):
+    """configs/experiments/detection.yaml itself, one seed and a few steps per stage on a small corpus: MAE
+    pretraining, DETR from its encoder and from scratch, and both eval stages as Ray Train runs, the box AP
+    logged per eval stage and the figure written."""
+    run_dir = tmp_path / "exp"
+    tiny = [
+        f"run_dir={run_dir}",
+        f"cluster.address={ray_cluster.address}",
+        "cluster.cpus_per_worker=1",
+        "seeds=[0]",
+        f"defaults.data.train={tmp_path / 'layout'}",
+        "defaults.data.synthetic.num=96",
+        "defaults.data.synthetic.max_count=24",
+        "defaults.tracking.log_every=1",
+        *[f"stages.{s}.optim.steps=3" for s in ("pretrain", "det_mae", "det_scratch")],
+        *[f"stages.{s}.optim.warmup_steps=1" for s in ("pretrain", "det_mae", "det_scratch")],
+    ]
+    cli(sys.executable, "-m", "vitpipe", "run", str(ROOT / "configs/experiments/detection.yaml"), *tiny)
+    runs = runs_by_name(f"sqlite:///{run_dir / 'mlflow.db'}")
+    for stage in ("det_mae_s0", "det_scratch_s0"):
+        assert runs[stage].info.status == "FINISHED" and "train/loss_giou" in runs[stage].data.metrics
+    assert runs["det_mae_s0"].data.params["model.init_from"].endswith("pretrain_s0/export")
+    for stage in ("eval_det_mae_s0", "eval_det_scratch_s0"):
+        assert {"eval/box_map", "eval/box_ap50", "eval/box_ap75"} <= set(runs[stage].data.metrics)
+        assert (run_dir / stage / "figures" / "detection_boxes.png").is_file()

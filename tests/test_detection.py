@@ -444,7 +444,7 @@ def test_a_model_overfits_a_handful_of_images_to_a_high_ap():
         truth.append((pixels(batch["boxes"][i][real]), batch["box_classes"][i][real].tolist(), (48, 40)))
         dets.append((pixels(found[i]), scores[i].tolist(), labels[i].tolist()))
     ap = coco_box_ap(truth, dets, 4)
-    assert ap["ap50"] > 0.9 and ap["map"] > 0.6, ap
+    assert ap["ap50"] > 0.95 and ap["map"] > 0.7, ap  # measured: AP50 1.0, mAP 0.89
 
 
 OVERFIT_LR, OVERFIT_STEPS = 2e-3, 300
@@ -492,6 +492,23 @@ def test_config_pairs_detection_with_detr_models_only(tmp_path):
 
 
 @pytest.mark.unit
+def test_the_detection_experiment_compares_mae_with_scratch_over_three_seeds(tmp_path):
+    from pipeline.config import load_experiment
+
+    exp = load_experiment(REPO / "configs/experiments/detection.yaml", [f"run_dir={tmp_path}"])
+    stages = dict(exp.stages)
+    assert len(stages) == 15  # 5 stages x 3 seeds
+    for seed in (0, 1, 2):
+        mae, scratch = stages[f"det_mae_s{seed}"], stages[f"det_scratch_s{seed}"]
+        assert mae.model.init_from == str(tmp_path / f"pretrain_s{seed}" / "export")
+        assert scratch.model.init_from is None
+        assert mae.seed == scratch.seed == seed and mae.optim == scratch.optim  # the same budget
+        assert stages[f"pretrain_s{seed}"].objective.name == "mae"
+        for name in (f"eval_det_mae_s{seed}", f"eval_det_scratch_s{seed}"):
+            assert stages[name].kind == "eval" and stages[name].objective.name == "detection"
+
+
+@pytest.mark.unit
 def test_a_dataset_without_boxes_is_refused_before_anything_starts(tmp_path):
     from data_prep.synthetic import class_names
     from data_prep.writer import write_dataset
@@ -535,12 +552,21 @@ def detection_dataset(tmp_path_factory):
 def test_detr_trains_from_an_mae_encoder_under_every_zero_stage_and_reports_box_ap(
     detection_dataset, tmp_path
 ):
-    torchrun("tests/scripts/detection.py", str(tmp_path), str(detection_dataset), "0", "1", "2", "3")
+    torchrun(
+        "tests/scripts/downstream.py", "detection", str(tmp_path), str(detection_dataset), "0", "1", "2", "3"
+    )
     losses = {z: [v for _, v in history(tmp_path / f"det_zero{z}")] for z in range(4)}
     assert len(losses[0]) == 30
     assert_loss_fell(losses[0], "detection ZeRO-0")
-    for z in (1, 2, 3):  # the same fp32 model and batches: ZeRO partitions the work, not the result
-        assert losses[z] == pytest.approx(losses[0], rel=2e-3), z
+    for z in (1, 2, 3):  # the same fp32 model and batches: ZeRO partitions the work, not the result...
+        assert losses[z][:8] == pytest.approx(losses[0][:8], rel=2e-3), z
+        # ...but the matching is discrete: once ZeRO's other reduction order (~1e-6) flips one assignment the
+        # runs part a little (measured: up to 1.6% by step 30)
+        assert losses[z] == pytest.approx(losses[0], rel=5e-2), z
+    # stopped at step 15 and resumed: the same losses and weights as the uninterrupted ZeRO-3 run
+    assert history(tmp_path / "det_resumed") == history(tmp_path / "det_zero3")
+    resumed, straight = weights(tmp_path / "det_resumed"), weights(tmp_path / "det_zero3")
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)
     mae, det = weights(tmp_path / "mae"), weights(tmp_path / "det_zero3")
     assert det["encoder.pos_embed"].shape == (1, 37, 64) and mae["pos_embed"].shape == (1, 17, 64)
     summary = json.loads((tmp_path / "det_eval" / "eval.json").read_text())

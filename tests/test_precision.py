@@ -42,6 +42,7 @@ CASES: list[tuple[str, str, dict]] = [
     *[(m, "simmim", {}) for m in models_for("simmim", debug=True)],
     *[(m, "masked_patch_prediction", {}) for m in models_for("masked_patch", debug=True)],
     *[(m, "segmentation", {}) for m in models_for("segmentation", debug=True)],
+    *[(m, "detection", {}) for m in models_for("detection", debug=True)],
     ("vit_debug", "supervised_sigmoid", {}),
     ("vit_debug", "distill", {}),
     ("levit_debug", "distill", {}),  # its own distillation head
@@ -132,6 +133,15 @@ def _batches(objective: str, seed: int):
             batch["target"] = (torch.rand(BATCH, CLASSES, generator=g) < 0.3).long()
         if objective == "segmentation":
             batch["mask"] = torch.randint(0, CLASSES, (BATCH, IMG, IMG), dtype=torch.uint8, generator=g)
+        if objective == "detection":  # 1..3 objects of the debug DETR's 10 query rows, the rest padding
+            centre, size = (
+                torch.rand(BATCH, 10, 2, generator=g) * 0.5 + 0.25,
+                torch.rand(BATCH, 10, 2, generator=g) * 0.3 + 0.1,
+            )
+            batch["boxes"] = torch.cat([centre, size], -1)
+            batch["box_classes"] = torch.randint(0, CLASSES, (BATCH, 10), generator=g)
+            batch["box_classes"][:, 3:] = -1
+            batch["box_classes"][0, 1:] = -1
         yield batch
 
 

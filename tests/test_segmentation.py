@@ -284,7 +284,9 @@ def layout_dataset(tmp_path_factory):
 @pytest.mark.dist
 @pytest.mark.slow
 def test_setr_trains_from_an_mae_encoder_under_every_zero_stage_and_reports_miou(layout_dataset, tmp_path):
-    torchrun("tests/scripts/segmentation.py", str(tmp_path), str(layout_dataset), "0", "1", "2", "3")
+    torchrun(
+        "tests/scripts/downstream.py", "segmentation", str(tmp_path), str(layout_dataset), "0", "1", "2", "3"
+    )
     losses = {z: [v for _, v in history(tmp_path / f"seg_zero{z}")] for z in range(4)}
     assert len(losses[0]) == 30
     assert_loss_fell(losses[0], "segmentation ZeRO-0")

@@ -1,7 +1,9 @@
-"""Run under torchrun (2 ranks): MAE pretraining at 32 px, then SETR segmentation from its encoder at 48 px
-(position embeddings resampled) under each ZeRO stage given, then the eval stage of the last one's export.
+"""Run under torchrun (2 ranks): MAE pretraining at 32 px, then a dense downstream task from its encoder at
+48 px (position embeddings resampled) under each ZeRO stage given, then the eval stage of the last one's
+export. TASK: segmentation (SETR-PUP; runs seg_zeroN, seg_eval) or detection (DETR; det_zeroN, det_eval, and
+det_resumed: the last ZeRO stage's run stopped halfway and resumed).
 
-torchrun --standalone --nproc-per-node 2 tests/scripts/segmentation.py OUT_DIR DATA_DIR ZERO_STAGE...
+torchrun --standalone --nproc-per-node 2 tests/scripts/downstream.py TASK OUT_DIR DATA_DIR ZERO_STAGE...
 
 Every stage logs to OUT_DIR/mlflow.db; the test reads the losses, eval.json and the figure.
 """
@@ -15,7 +17,11 @@ from pipeline.train.engine import shutdown_distributed
 from pipeline.train.loop import train
 
 SMOKE = Path(__file__).parents[2] / "configs/experiments/smoke.yaml"
-DET_STEPS = 30
+STEPS = 30
+TASKS = {  # objective -> (model, run name prefix)
+    "segmentation": ("setr_pup_vit_debug", "seg"),
+    "detection": ("detr_vit_debug", "det"),
+}
 
 
 def common(out: Path, data: str, name: str) -> list[str]:
@@ -32,7 +38,9 @@ def common(out: Path, data: str, name: str) -> list[str]:
 
 
 def main() -> None:
-    out, data, zero_stages = Path(sys.argv[1]), sys.argv[2], [int(z) for z in sys.argv[3:]]
+    task, out, data = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+    zero_stages = [int(z) for z in sys.argv[4:]]
+    model, prefix = TASKS[task]
     pretrain = [
         *common(out, data, "mae"),
         "model.name=mae_vit_debug",
@@ -43,31 +51,36 @@ def main() -> None:
         "deepspeed.zero_stage=2",
     ]
     train(load_config(SMOKE, pretrain))
-    segment = [
-        "model.name=setr_pup_vit_debug",
+    downstream = [
+        f"model.name={model}",
         "model.img_size=48",
         f"model.init_from={out}/mae/export",
-        "objective.name=segmentation",
+        f"objective.name={task}",
         "data.min_scale=0.5",
-        f"optim.steps={DET_STEPS}",
+        f"optim.steps={STEPS}",
         "optim.warmup_steps=3",
         "optim.lr=0.05",
     ]
     for zero in zero_stages:
         train(
             load_config(
-                SMOKE, [*common(out, data, f"det_zero{zero}"), *segment, f"deepspeed.zero_stage={zero}"]
+                SMOKE,
+                [*common(out, data, f"{prefix}_zero{zero}"), *downstream, f"deepspeed.zero_stage={zero}"],
             )
         )
     last = zero_stages[-1]
+    if task == "detection":  # stopped halfway and resumed under the last ZeRO stage: {prefix}_resumed
+        resumed = [*common(out, data, f"{prefix}_resumed"), *downstream, f"deepspeed.zero_stage={last}"]
+        train(load_config(SMOKE, [*resumed, f"debug.stop_at_step={STEPS // 2}"]))
+        train(load_config(SMOKE, resumed))
     evaluate(
         load_config(
             SMOKE,
             [
-                *common(out, data, "det_eval"),
-                *segment,
+                *common(out, data, f"{prefix}_eval"),
+                *downstream,
                 "kind=eval",
-                f"model.init_from={out}/det_zero{last}/export",
+                f"model.init_from={out}/{prefix}_zero{last}/export",
                 "model.init_head=true",
                 "eval.eval_split=val",
                 "eval.batch_size=16",
