@@ -364,6 +364,21 @@ def test_detr_predicts_every_layer_and_every_parameter_learns():
 
 @pytest.mark.unit
 @pytest.mark.parametrize(
+    "overrides",
+    [{"pos_embed": k} for k in ("learned", "learned_2d", "sincos2d", "relative", "none")]
+    + [{"pool": "gap"}, {"drop_path_rate": 0.1, "init_values": 1e-5}],
+    ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()),
+)
+def test_detr_takes_every_plain_vit_variant_as_backbone(overrides):
+    torch.manual_seed(0)
+    model = create_model("detr_vit_debug", num_classes=4, img_size=48, **overrides)
+    loss, _ = Detection(ObjectiveConfig(name="detection")).loss(model, _layout_batch(2, 48))
+    loss.backward()
+    assert torch.isfinite(loss) and model.encoder.blocks[0].attn.qkv.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
     "overrides", [{}, {"pool": "gap", "pos_embed": "sincos2d"}, {"num_queries": 7, "patch_size": 6}]
 )
 def test_detr_counts_its_own_forward(overrides):

@@ -76,7 +76,10 @@ def test_registry_lists_the_family_and_rejects_unknown_names():
 def test_every_registered_model_is_of_a_kind_the_tests_sweep(name):
     """A new model lands in the registry-generated tests by what it is; one of no known kind fails here."""
     kinds = model_kinds(name)
-    assert kinds <= set(KINDS) and kinds & {"classifier", "masked_image", "segmentation"}, (name, kinds)
+    assert kinds <= set(KINDS) and kinds & {"classifier", "masked_image", "segmentation", "detection"}, (
+        name,
+        kinds,
+    )
 
 
 def test_every_family_has_a_debug_size():

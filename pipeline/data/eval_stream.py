@@ -1,11 +1,12 @@
 """The evaluation stream of one rank: a finite, deterministic pass, every sample exactly once over all ranks.
 
-No shuffle, resize + centre crop (detection: the whole image resized, boxes as fractions of it). Every rank yields the same number of batches (`num_batches`); the
-last ones are padded with a repeated sample marked `valid=False` ([B] bool). Samples go to ranks by
-shard (rank r reads shards r, r + world_size, ...) when there are at least as many shards as ranks,
-else by sample index (i % world_size); `by_shard` says which. Each loader worker takes a contiguous
-block of the rank's batches (it opens only the shards that block needs), so a full pass holds the
-same samples whatever num_workers is, but the first k batches do not. Corrupt samples and unreadable
+No shuffle, resize + centre crop (detection: the whole image resized, boxes as fractions of it). Every
+rank yields the same number of batches (`num_batches`); the last ones are padded with a repeated sample
+marked `valid=False` ([B] bool). Samples go to ranks by shard (rank r reads shards r, r + world_size, ...)
+when there are at least as many shards as ranks, else by sample index (i % world_size); `by_shard` says
+which. Each loader worker takes a contiguous block of the rank's batches (it opens only the shards that
+block needs), so a full pass holds the same samples whatever num_workers is, but the first k batches do
+not. Corrupt samples and unreadable
 shards are skipped and counted in `skipped` (their slots stay padding) up to `max_skip_fraction` of the
 pass, checked once more when the pass ends however few samples it read; then the error names the shard.
 """
