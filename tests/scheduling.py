@@ -31,7 +31,7 @@ RAY_GROUPS = {
 LONG_TESTS = {
     "test_reduced_demo_runs_end_to_end": 660,
     "test_nodes_that_share_only_the_bucket_and_mlflow_run_stop_and_resume_an_experiment": 500,
-    "test_a_killed_node_recovers_with_the_weights_of_an_uninterrupted_run": 420,  # ray_b: with retries
+    "test_a_killed_node_recovers_with_the_weights_of_an_uninterrupted_run": 600,  # ray_b: retries, detection
     "test_segmentation_stages_run_as_ray_stages": 600,  # ray_c: with the thin run and the elastic stage
     "test_two_ranks_resume_on_one_per_zero_stage": 250,
     "test_one_rank_resumes_on_two_per_zero_stage_in_bf16": 250,

@@ -31,22 +31,31 @@ def box_area(boxes: torch.Tensor) -> torch.Tensor:
 
 
 def box_iou(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(IoU [N, M], union [N, M]) of (x0, y0, x1, y1) boxes a [N, 4] and b [M, 4]."""
-    top_left = torch.max(a[:, None, :2], b[None, :, :2])
-    bottom_right = torch.min(a[:, None, 2:], b[None, :, 2:])
+    """(IoU [..., N, M], union [..., N, M]) of (x0, y0, x1, y1) boxes a [..., N, 4] and b [..., M, 4]
+    (leading dims broadcast: every image's and decoder layer's at once)."""
+    a, b = a.unsqueeze(-2), b.unsqueeze(-3)  # [..., N, 1, 4], [..., 1, M, 4]
+    top_left = torch.max(a[..., :2], b[..., :2])
+    bottom_right = torch.min(a[..., 2:], b[..., 2:])
     inter = (bottom_right - top_left).clamp_min(0).prod(-1)
-    union = box_area(a)[:, None] + box_area(b)[None, :] - inter
+    union = box_area(a) + box_area(b) - inter
     return inter / union.clamp_min(1e-12), union
 
 
 def generalized_box_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Generalized IoU (Rezatofighi et al. 2019) [N, M] of (x0, y0, x1, y1) boxes a [N, 4] and b [M, 4]:
-    IoU - (area of the smallest enclosing box not covered by the union) / (that area); in [-1, 1]."""
+    """Generalized IoU (Rezatofighi et al. 2019) [..., N, M] of (x0, y0, x1, y1) boxes a [..., N, 4] and
+    b [..., M, 4]: IoU - (area of the smallest enclosing box not covered by the union) / (that area); in
+    [-1, 1]."""
     iou, union = box_iou(a, b)
-    top_left = torch.min(a[:, None, :2], b[None, :, :2])
-    bottom_right = torch.max(a[:, None, 2:], b[None, :, 2:])
+    a, b = a.unsqueeze(-2), b.unsqueeze(-3)
+    top_left = torch.min(a[..., :2], b[..., :2])
+    bottom_right = torch.max(a[..., 2:], b[..., 2:])
     hull = (bottom_right - top_left).clamp_min(0).prod(-1)
     return iou - (hull - union) / hull.clamp_min(1e-12)
+
+
+def paired_generalized_box_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Generalized IoU [K] of box a[i] with box b[i], (x0, y0, x1, y1) boxes [K, 4] each."""
+    return generalized_box_iou(a.unsqueeze(-2), b.unsqueeze(-2))[..., 0, 0]
 
 
 @torch.no_grad()
@@ -65,11 +74,9 @@ def match_costs(
     index = target_classes.clamp_min(0).unsqueeze(-2).expand(*prob.shape[:-1], target_classes.shape[-1])
     cost_class = -prob.gather(-1, index)  # [..., Q, M]
     pred = boxes.float()
-    tgt = target_boxes.float().expand(*pred.shape[:-2], *target_boxes.shape[-2:])  # leading dims as pred's
+    tgt = target_boxes.float()
     cost_l1 = (pred.unsqueeze(-2) - tgt.unsqueeze(-3)).abs().sum(-1)  # [..., Q, M]
-    flat_p, flat_t = cxcywh_to_xyxy(pred).flatten(0, -3), cxcywh_to_xyxy(tgt).flatten(0, -3)
-    giou = torch.stack([generalized_box_iou(p, t) for p, t in zip(flat_p, flat_t)])
-    cost_giou = -giou.view(cost_l1.shape)
+    cost_giou = -generalized_box_iou(cxcywh_to_xyxy(pred), cxcywh_to_xyxy(tgt))  # [..., Q, M]
     return w_class * cost_class + w_l1 * cost_l1 + w_giou * cost_giou
 
 
@@ -126,7 +133,7 @@ def set_loss(
     num_boxes = max(len(target_idx), 1)
     pred, tgt = boxes[bi, qi].float(), target_boxes[bi, ti].float()
     loss_l1 = F.l1_loss(pred, tgt, reduction="sum") / num_boxes
-    giou = generalized_box_iou(cxcywh_to_xyxy(pred), cxcywh_to_xyxy(tgt)).diagonal()
+    giou = paired_generalized_box_iou(cxcywh_to_xyxy(pred), cxcywh_to_xyxy(tgt))
     loss_giou = (1 - giou).sum() / num_boxes
     w_class, w_l1, w_giou = weights
     loss = w_class * loss_class + w_l1 * loss_l1 + w_giou * loss_giou
