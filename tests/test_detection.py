@@ -406,6 +406,19 @@ def test_detr_loads_a_vit_export_into_its_encoder_and_its_own_export_whole():
     assert isinstance(model, DETR)
 
 
+@pytest.mark.unit
+def test_layer_decay_reaches_the_encoder_blocks_and_the_decoder_is_the_head():
+    from pipeline.models import param_groups
+
+    model = create_model("detr_vit_debug", num_classes=4, img_size=48)
+    scale = {id(p): g["lr_scale"] for g in param_groups(model, 0.05, layer_decay=0.5) for p in g["params"]}
+    named = dict(model.named_parameters())
+    assert scale[id(named["encoder.patch_embed.proj.weight"])] == 0.5**5  # 4 blocks: embeddings 0.5^(4+1)
+    assert scale[id(named["encoder.blocks.3.attn.qkv.weight"])] == 0.5
+    for name in ("layers.1.self_attn.q.weight", "query_pos", "class_head.weight", "box_head.4.weight"):
+        assert scale[id(named[name])] == 1.0, name
+
+
 # ---------------------------------------------------------------------- evaluation
 
 
