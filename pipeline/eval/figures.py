@@ -162,7 +162,10 @@ def detection_figure(
     saw them; `true` per image (boxes [k, 4], classes [k]) and `predicted` (boxes [q, 4], scores [q],
     classes [q]), boxes (x0, y0, x1, y1) as fractions of the image. Predictions scored below `min_score`
     are left out; a box's colour is its class, a legend names them, predictions carry their score."""
-    from matplotlib.patches import Patch, Rectangle  # heavy: see pipeline.models.analysis.new_figure
+    from matplotlib import patheffects  # heavy: see pipeline.models.analysis.new_figure
+    from matplotlib.patches import Patch, Rectangle
+
+    outline = [patheffects.withStroke(linewidth=3, foreground="black")]  # seen on objects of its colour
 
     n = images.shape[0]
     palette = _palette(len(class_names) + 1)[1:]  # no black: boxes go on images
@@ -182,18 +185,21 @@ def detection_figure(
             ax.imshow(images[i].permute(1, 2, 0).numpy(), interpolation="nearest")
             for k, ((x0, y0, x1, y1), c) in enumerate(zip(boxes, classes)):
                 colour = palette[int(c) % len(palette)]
-                ax.add_patch(
-                    Rectangle(
-                        (x0 * w - 0.5, y0 * h - 0.5),
-                        (x1 - x0) * w,
-                        (y1 - y0) * h,
-                        fill=False,
-                        lw=1.5,
-                        ec=colour,
-                    )
+                rect = Rectangle(
+                    (x0 * w - 0.5, y0 * h - 0.5), (x1 - x0) * w, (y1 - y0) * h, fill=False, lw=1.5, ec=colour
                 )
+                rect.set_path_effects(outline)
+                ax.add_patch(rect)
                 if score is not None:
-                    ax.text(x0 * w, y0 * h, f"{score[k]:.2f}", color=colour, fontsize=6, va="bottom")
+                    ax.text(
+                        x0 * w,
+                        y0 * h,
+                        f"{score[k]:.2f}",
+                        color=colour,
+                        fontsize=6,
+                        va="bottom",
+                        path_effects=outline,
+                    )
             ax.set_xlim(-0.5, w - 0.5)
             ax.set_ylim(h - 0.5, -0.5)
             ax.set_xticks([])
