@@ -21,9 +21,14 @@ the valid rows of all ranks first, then call `mean_average_precision` once.
 
 from __future__ import annotations
 
+import contextlib
+import io
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
+from pycocotools.coco import COCO
+from pycocotools.cocoeval import COCOeval
 
 
 def _target_rank(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -206,13 +211,6 @@ def coco_box_ap(
     in pixels, their classes, the image's (w, h)), `found` per image in the same order (boxes, scores,
     classes) -> {"map": AP@[.5:.95], "ap50", "ap75", "ap_small", "ap_medium", "ap_large"}, each in [0, 1], or
     None where no object of that size exists (COCOeval's -1). Up to 100 detections per image count."""
-    import contextlib
-    import io
-
-    import numpy as np
-    from pycocotools.coco import COCO
-    from pycocotools.cocoeval import COCOeval
-
     if len(truth) != len(found):
         raise ValueError(f"{len(truth)} images of ground truth, {len(found)} of detections")
     images, annotations, rows = [], [], []
