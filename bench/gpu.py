@@ -45,6 +45,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from provenance import provenance  # noqa: E402  (bench/provenance.py, beside this file)
+
 from data_prep import atomic  # noqa: E402  (after the path set-up, as a script)
 
 BUDGET_S = 420.0  # the default run's hard total: 7 minutes
@@ -499,7 +501,7 @@ def main() -> None:
         "dry_run": args.dry_run,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "commit": _commit(),
+        "provenance": provenance(),
         "budget_s": args.budget_s,
         "cases": {n: {"status": "pending"} for n in names},
     }
@@ -601,22 +603,6 @@ def _goals(cases: dict) -> dict:
         "data_wait_fraction": fed.get("data_wait_fraction"),
     }
     return goals
-
-
-def _commit() -> str | None:
-    try:
-        return (
-            subprocess.run(
-                ["git", "describe", "--always", "--dirty", "--abbrev=7"],
-                cwd=ROOT,
-                capture_output=True,
-                text=True,
-                timeout=10,
-            ).stdout.strip()
-            or None
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 if __name__ == "__main__":

@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import math
 import os
-import platform
 import random
 import shutil
 import statistics
@@ -43,6 +41,8 @@ import webdataset as wds
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from provenance import write_result  # noqa: E402  (bench/provenance.py, beside this file)
 
 from data_prep.shard_file import Sample  # noqa: E402
 from data_prep.synthetic import class_names, synthetic_samples  # noqa: E402
@@ -210,19 +210,10 @@ def main() -> None:
             k: {"target": g, "speedup": speedups[k], "met": speedups[k] >= g} for k, g in goals.items()
         },
         "runs": runs,
-        "machine": {
-            "python": platform.python_version(),
-            "cpus": os.cpu_count(),
-            "torch": torch.__version__,
-            "pillow": Image.__version__,
-            "load_avg_1min": [round(x, 2) for x in load],
-        },
+        "pillow": Image.__version__,
+        "load_avg_1min": [round(x, 2) for x in load],
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from provenance import write_result  # noqa: E402  (bench/provenance.py, beside this file)
 
 from data_prep.storage import Store  # noqa: E402
 from pipeline.config import validate_config  # noqa: E402
@@ -208,10 +209,7 @@ def main() -> None:
         "reshard_over_resume": statistics.median(raw["reshard_resume_s"]) / resume,
         "runs": {k: raw[k] for k in ("step_s", "local_save_s", "save_s", "resume_s", "reshard_resume_s")},
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":

@@ -13,9 +13,7 @@ the server's do not compete. Reported: medians over rounds, and each client's nu
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -33,6 +31,7 @@ import pyarrow.fs as pafs
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from provenance import write_result  # noqa: E402  (bench/provenance.py, beside this file)
 from shard import _free_port, _pin, _wait_for_port  # noqa: E402  (bench/shard.py, beside this file)
 
 from data_prep.storage import Store, read_object  # noqa: E402
@@ -71,13 +70,8 @@ def main() -> None:
         server.terminate()
         server.wait()
         log.close()
-    result["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version()}
     result["placement"] = {"server_cpus": cores[-1:], "client_cpus": cores[:-1] or cores}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+    write_result(result, args.out)
 
 
 def run(args, server_pid: int, log_path: Path) -> dict:

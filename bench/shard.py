@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import multiprocessing
 import os
-import platform
 import re
 import shutil
 import socket
@@ -47,6 +45,7 @@ import time
 from pathlib import Path
 
 import psutil  # installed with ray[default]
+from provenance import write_result  # bench/provenance.py, beside this file
 
 from data_prep.synthetic import render
 
@@ -402,11 +401,6 @@ def main() -> None:
             "max_count": args.max_count,
             "repeats": repeats,
         },
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-        },
     }
     tmp = Path(tempfile.mkdtemp(prefix="bench-shard-"))
     try:
@@ -420,11 +414,7 @@ def main() -> None:
             )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":

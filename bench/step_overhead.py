@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
-import platform
 import statistics
 import time
 
@@ -21,6 +19,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
 
 import torch  # noqa: E402
+from provenance import write_result  # noqa: E402  (bench/provenance.py, beside this file)
 
 from pipeline.config import validate_config  # noqa: E402
 from pipeline.data.device import batch_to_device  # noqa: E402
@@ -124,16 +123,10 @@ def main() -> None:
         "ratios": ratios,
         "goal_ratio_max": 1.10,
         "meets_goal": statistics.median(ratios) <= 1.10,
-        "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "machine": platform.machine(),
         "quick": args.quick,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":

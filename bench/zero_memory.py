@@ -28,6 +28,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from provenance import write_result  # noqa: E402  (bench/provenance.py, beside this file)
 
 from pipeline.config import validate_config  # noqa: E402
 from pipeline.data.transforms import normalize  # noqa: E402
@@ -168,11 +169,7 @@ def main() -> None:
         "peak_rss_ratio_zero3_over_zero0": max(r["peak_rss_bytes"] for r in per_stage[3])
         / max(r["peak_rss_bytes"] for r in per_stage[0]),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":
