@@ -88,8 +88,38 @@ def connect(address: str | None) -> None:
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address)
-    else:  # a private local instance, every service on loopback
+    else:
+        _start_private_ray()
+
+
+# Ray's switch for multi-node clusters on Windows and macOS; "0" also keeps Linux from replacing a loopback
+# node IP with the machine's address (ray._private.services.get_node_ip_address).
+_RAY_MULTI_NODE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def _start_private_ray() -> None:
+    """A private one-node Ray whose every listening socket is on 127.0.0.1 (docs/security.md).
+
+    Ray's C++ servers (GCS, raylet, every worker's gRPC server) listen on 127.0.0.1 only when the node IP
+    is exactly 127.0.0.1, and elsewhere on every interface; on Linux Ray replaces `_node_ip_address=
+    "127.0.0.1"` with the machine's address unless multi-node clusters are off. So they are, for this
+    instance: the processes ray.init starts read the switch from their environment (the raylet hands it
+    on to the workers it starts), this driver from ray_constants, which read it at import. The variable
+    is taken out of this process's environment again afterwards: a `ray start` this process later runs
+    for a real cluster must not inherit it (it refuses to join one).
+    """
+    from ray._private import ray_constants
+
+    before = os.environ.get(_RAY_MULTI_NODE)
+    os.environ[_RAY_MULTI_NODE] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False  # read once at import: the driver's own node-IP lookup
+    try:
         ray.init(include_dashboard=False, _node_ip_address="127.0.0.1")
+    finally:
+        if before is None:
+            os.environ.pop(_RAY_MULTI_NODE, None)
+        else:
+            os.environ[_RAY_MULTI_NODE] = before
 
 
 def run_stage(cfg: StageConfig, parent_run_id: str | None = None):

@@ -1,6 +1,6 @@
 """Committed benchmark results say what measured them, and `make bench` rewrites every one of them.
 
-    .venv/bin/python -m pytest tests/test_bench_results.py -q
+.venv/bin/python -m pytest tests/test_bench_results.py -q
 """
 
 from __future__ import annotations
@@ -66,5 +66,7 @@ def test_make_bench_rewrites_every_committed_result():
     rewritten = _make_bench_outputs()
     # GPU results come from bench/gpu.py on a GPU machine (docs/gpu.md), never from `make bench` on CPU.
     gpu_only = {c for c in committed if Path(c).name.startswith("gpu-")}
-    assert committed - gpu_only <= rewritten, f"not rewritten by `make bench`: {sorted(committed - rewritten)}"
+    assert committed - gpu_only <= rewritten, (
+        f"not rewritten by `make bench`: {sorted(committed - rewritten)}"
+    )
     assert rewritten <= committed, f"`make bench` writes files not committed: {sorted(rewritten - committed)}"

@@ -251,7 +251,7 @@ def test_a_client_without_the_token_is_refused(ray_cluster, tmp_path):
     assert ok.returncode == 0
 
 
-def test_local_cluster_is_two_nodes_bound_to_loopback(ray_cluster):
+def test_local_cluster_is_two_nodes_with_the_dashboard_on_loopback(ray_cluster):
     # `ray status` reports what the autoscaler last saw: a node that joined a second ago may be missing.
     for _ in range(30):
         proc = cli(ray_bin(), "status", "--address", ray_cluster.address, env={"RAY_AUTH_MODE": "token"})

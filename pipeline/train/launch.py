@@ -11,6 +11,8 @@ import socket
 import sys
 from collections.abc import Callable
 
+import torch.distributed as dist
+
 from data_prep.layout import has_dataset, read_manifest
 from data_prep.synthetic import (
     class_names,
@@ -84,11 +86,29 @@ def run_rank(
     return train(cfg, report=report, parent_run_id=parent_run_id)
 
 
+def _loopback_interface() -> str | None:
+    """The loopback device's name ("lo" on Linux, "lo0" on macOS), or None where none is named so."""
+    names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
+    return next((n for n in names if n in ("lo", "lo0")), None)
+
+
+def _single_process_group() -> None:
+    """A process group of one that listens on no network address: its store is in memory (env:// would
+    start a TCP store listening on every interface, whatever MASTER_ADDR says), and gloo's own socket
+    stays on the loopback device (its default is the address the host name resolves to)."""
+    loopback = _loopback_interface()
+    if loopback:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
 def launch_local(cfg: StageConfig) -> StageResult | dict[str, float]:
     """One process, or one rank of a torchrun job (torchrun sets RANK/WORLD_SIZE/MASTER_*)."""
     if "WORLD_SIZE" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        if not cfg.cluster.use_gpu and not dist.is_initialized():
+            _single_process_group()
     if os.environ.get("RANK", "0") == "0":
         prepare_data(cfg)
     return run_rank(cfg)

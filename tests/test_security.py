@@ -1,0 +1,133 @@
+"""What listens where: the local runs open sockets on loopback only (docs/security.md).
+
+    .venv/bin/python -m pytest tests/test_security.py -q
+
+Each test runs the real thing in a child process, which lists the listening TCP sockets of itself and of
+every process it started (Ray's GCS, raylet, dashboard agents and workers are all its descendants) with
+psutil while it runs, and prints them as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+
+# Prints {"name pid": [ip, ...]} for the listening sockets of this process and its descendants.
+LISTENERS = textwrap.dedent(
+    """
+    import json, psutil
+
+    def listeners():
+        found = {}
+        me = psutil.Process()
+        for proc in [me, *me.children(recursive=True)]:
+            try:
+                conns = proc.net_connections(kind="inet")
+                name = proc.name()
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            ips = sorted({c.laddr.ip for c in conns if c.status == psutil.CONN_LISTEN})
+            if ips:
+                found[f"{name} {proc.pid}"] = ips
+        return found
+    """
+)
+
+
+def _run(script: str, timeout: float) -> dict[str, list[str]]:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    env.pop("RAY_ADDRESS", None)  # a private instance, not a cluster the environment names
+    proc = subprocess.run(
+        [sys.executable, "-c", LISTENERS + textwrap.dedent(script)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = next(x for x in reversed(proc.stdout.splitlines()) if x.startswith("LISTENERS "))
+    return json.loads(line.removeprefix("LISTENERS "))
+
+
+def _outside_loopback(found: dict[str, list[str]]) -> dict[str, list[str]]:
+    return {who: ips for who, ips in found.items() if set(ips) - LOOPBACK}
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_private_local_ray_listens_only_on_loopback():
+    """`vitpipe run` without an address starts a private Ray (cluster.run.connect): its GCS, raylet,
+    dashboard agents, runtime-env agent and workers all listen, and only on loopback."""
+    found = _run(
+        """
+        import ray
+        from cluster.run import connect
+
+        connect(None)
+
+        @ray.remote
+        class Probe:
+            def ip(self):
+                return ray.util.get_node_ip_address()
+
+        probe = Probe.remote()
+        assert ray.get(probe.ip.remote()) == "127.0.0.1"
+        assert ray.get(ray.remote(lambda: 1).remote()) == 1
+        print("LISTENERS " + json.dumps(listeners()), flush=True)
+        ray.shutdown()
+        """,
+        timeout=300,
+    )
+    names = " ".join(found)
+    # The check cannot pass on an empty list: Ray's servers and a worker must be among the listeners.
+    assert "gcs_server" in names and "raylet" in names and "ray::" in names, found
+    assert len(found) >= 5, found
+    assert not _outside_loopback(found), f"listening outside loopback: {_outside_loopback(found)}"
+
+
+@pytest.mark.slow
+def test_a_single_process_training_run_listens_only_on_loopback(smoke_dataset, tmp_path):
+    """`vitpipe train ... cluster.launcher=local` in one process: no TCP store (its store is in memory) and
+    gloo on loopback, sampled throughout a real run of the smoke config."""
+    found = _run(
+        f"""
+        import threading, time
+        from pipeline.config import load_config
+        from pipeline.train.launch import launch_local
+
+        seen, done = {{}}, threading.Event()
+
+        def sample():
+            while not done.is_set():
+                for who, ips in listeners().items():
+                    seen.setdefault(who, set()).update(ips)
+                time.sleep(0.1)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        cfg = load_config(
+            "configs/experiments/smoke.yaml",
+            ["cluster.launcher=local", "run_dir={tmp_path / "run"}", "data.train={smoke_dataset}",
+             "optim.steps=6", "data.num_workers=1"],
+        )
+        result = launch_local(cfg)
+        done.set()
+        sampler.join()
+        import torch.distributed as dist
+        assert dist.get_world_size() == 1 and result.steps == 6, result
+        print("LISTENERS " + json.dumps({{k: sorted(v) for k, v in seen.items()}}), flush=True)
+        """,
+        timeout=300,
+    )
+    assert found, "gloo's own listening socket was not seen: the sampler saw nothing"
+    assert not _outside_loopback(found), f"listening outside loopback: {_outside_loopback(found)}"
