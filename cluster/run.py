@@ -24,10 +24,11 @@ from pathlib import Path
 import ray
 import ray.train
 from ray.train import FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.constants import is_v2_enabled
 
 from cluster.preflight import check_nodes_see, check_not_in_job_copy, job_working_dir
+from cluster.process_group import NodeAddressTorchConfig
 from data_prep import atomic
 from data_prep.layout import DatasetError
 from data_prep.storage import Store, child
@@ -147,7 +148,8 @@ def run_stage(cfg: StageConfig, parent_run_id: str | None = None):
             resources_per_worker={"CPU": c.cpus_per_worker, **({"GPU": 1} if c.use_gpu else {})},
             placement_strategy=c.placement_strategy,
         ),
-        torch_config=TorchConfig(backend="nccl" if c.use_gpu else "gloo"),
+        # the store listens on rank 0's node address, not on every interface (cluster.process_group)
+        torch_config=NodeAddressTorchConfig(backend="nccl" if c.use_gpu else "gloo"),
         run_config=RunConfig(
             name=cfg.name,
             storage_path=str(cfg.run_path / "ray"),

@@ -21,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 
-# Prints {"name pid": [ip, ...]} for the listening sockets of this process and its descendants.
+# listeners() -> {"name pid": [[ip, port], ...]}: the listening sockets of this process and its descendants.
 LISTENERS = textwrap.dedent(
     """
     import json, psutil
@@ -35,15 +35,15 @@ LISTENERS = textwrap.dedent(
                 name = proc.name()
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
-            ips = sorted({c.laddr.ip for c in conns if c.status == psutil.CONN_LISTEN})
-            if ips:
-                found[f"{name} {proc.pid}"] = ips
+            socks = sorted({(c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN})
+            if socks:
+                found[f"{name} {proc.pid}"] = socks
         return found
     """
 )
 
 
-def _run(script: str, timeout: float) -> dict[str, list[str]]:
+def _run(script: str, timeout: float) -> dict[str, list[list]]:
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
     env.pop("RAY_ADDRESS", None)  # a private instance, not a cluster the environment names
     proc = subprocess.run(
@@ -59,18 +59,28 @@ def _run(script: str, timeout: float) -> dict[str, list[str]]:
     return json.loads(line.removeprefix("LISTENERS "))
 
 
-def _outside_loopback(found: dict[str, list[str]]) -> dict[str, list[str]]:
-    return {who: ips for who, ips in found.items() if set(ips) - LOOPBACK}
+def _outside_loopback(found: dict[str, list[list]]) -> dict[str, list[list]]:
+    return {who: socks for who, socks in found.items() if {ip for ip, _ in socks} - LOOPBACK}
 
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_a_private_local_ray_listens_only_on_loopback():
+def test_a_private_local_ray_and_its_train_workers_listen_only_on_loopback(tmp_path):
     """`vitpipe run` without an address starts a private Ray (cluster.run.connect): its GCS, raylet,
-    dashboard agents, runtime-env agent and workers all listen, and only on loopback."""
+    dashboard agents, runtime-env agent and workers all listen, and only on loopback; so does the store of
+    a 2-worker Ray Train process group set up as the stages set it up (cluster.process_group)."""
     found = _run(
-        """
+        f"""
+        import os
+        from pathlib import Path
+
         import ray
+        import torch
+        import torch.distributed as dist
+        from ray.train import RunConfig, ScalingConfig
+        from ray.train.torch import TorchTrainer
+
+        from cluster.process_group import NodeAddressTorchConfig
         from cluster.run import connect
 
         connect(None)
@@ -83,11 +93,33 @@ def test_a_private_local_ray_listens_only_on_loopback():
         probe = Probe.remote()
         assert ray.get(probe.ip.remote()) == "127.0.0.1"
         assert ray.get(ray.remote(lambda: 1).remote()) == 1
+
+        def loop(config):
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            assert t.item() == 2
+            if dist.get_rank() == 0:  # the store is served from rank 0's process
+                store = [os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])]
+                Path(config["out"]).write_text(json.dumps({{"store": store, "rank0": listeners()}}))
+            dist.barrier()
+
+        TorchTrainer(
+            loop,
+            train_loop_config={{"out": "{tmp_path / "rank0.json"}"}},
+            scaling_config=ScalingConfig(num_workers=2, resources_per_worker={{"CPU": 1}}),
+            torch_config=NodeAddressTorchConfig(backend="gloo"),
+            run_config=RunConfig(storage_path="{tmp_path / "ray"}"),
+        ).fit()
         print("LISTENERS " + json.dumps(listeners()), flush=True)
         ray.shutdown()
         """,
         timeout=300,
     )
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    store_addr, store_port = rank0["store"]
+    rank0_sockets = [tuple(s) for socks in rank0["rank0"].values() for s in socks]
+    assert store_addr == "127.0.0.1" and any(port == store_port for _, port in rank0_sockets), rank0
+    assert not _outside_loopback(rank0["rank0"]), f"rank 0 listening outside loopback: {rank0['rank0']}"
     names = " ".join(found)
     # The check cannot pass on an empty list: Ray's servers and a worker must be among the listeners.
     assert "gcs_server" in names and "raylet" in names and "ray::" in names, found
