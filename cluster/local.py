@@ -39,7 +39,7 @@ def auth_env() -> dict[str, str]:
     return {**os.environ, "RAY_AUTH_MODE": "token"}
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
     """`n` different free ports: each socket stays bound until all are chosen (one at a time, the system
     may hand out a port just released again: seen as `ray start` refusing one port for two components)."""
     with contextlib.ExitStack() as stack:
@@ -61,7 +61,7 @@ NODE_PORT_FLAGS = (
 def _node_ports(ports: list[int] | None = None) -> list[str]:
     """Free ports for a node's agents: their fixed defaults (e.g. 52365) collide when two Ray
     clusters share a machine, and the second cluster's job agent then never comes up."""
-    ports = ports or _free_ports(len(NODE_PORT_FLAGS))
+    ports = ports or free_ports(len(NODE_PORT_FLAGS))
     return [part for flag, port in zip(NODE_PORT_FLAGS, ports) for part in (flag, str(port))]
 
 
@@ -84,7 +84,7 @@ def start_head(temp_dir: str, num_cpus: int = 4, include_dashboard: bool = True)
     ports: list[int] = []
 
     def command() -> tuple[list[str], str]:
-        ports[:] = _free_ports(2 + len(NODE_PORT_FLAGS))
+        ports[:] = free_ports(2 + len(NODE_PORT_FLAGS))
         port, dash, *agents = ports
         cmd = [
             _ray_bin(),

@@ -27,6 +27,7 @@ from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.constants import is_v2_enabled
 
+from cluster.local import free_ports
 from cluster.preflight import check_nodes_see, check_not_in_job_copy, job_working_dir
 from cluster.process_group import NodeAddressTorchConfig
 from data_prep import atomic
@@ -115,7 +116,10 @@ def _start_private_ray() -> None:
     os.environ[_RAY_MULTI_NODE] = "0"
     ray_constants.ENABLE_RAY_CLUSTER = False  # read once at import: the driver's own node-IP lookup
     try:
-        ray.init(include_dashboard=False, _node_ip_address="127.0.0.1")
+        # The dashboard serves the State API, which Ray Train's placement-group cleaner polls: without it
+        # the cleaner logs "Failed to query Ray Train Controller actor state" every few seconds.
+        (port,) = free_ports(1)
+        ray.init(dashboard_host="127.0.0.1", dashboard_port=port, _node_ip_address="127.0.0.1")
     finally:
         if before is None:
             os.environ.pop(_RAY_MULTI_NODE, None)

@@ -287,13 +287,13 @@ def test_a_failed_local_start_leaves_no_process_behind(monkeypatch):
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen()
-    free = local._free_ports
+    free = local.free_ports
 
     def ports(n: int) -> list[int]:  # the GCS port, then the dashboard's (taken), then the agents'
         chosen = free(n)
         return [chosen[0], busy.getsockname()[1], *chosen[2:]]
 
-    monkeypatch.setattr(local, "_free_ports", ports)
+    monkeypatch.setattr(local, "free_ports", ports)
     temp_dir = tempfile.mkdtemp(
         prefix="ray-failed-", dir="/tmp"
     )  # short: Ray's socket paths must fit 107 bytes

@@ -68,7 +68,9 @@ def _outside_loopback(found: dict[str, list[list]]) -> dict[str, list[list]]:
 def test_a_private_local_ray_and_its_train_workers_listen_only_on_loopback(tmp_path):
     """`vitpipe run` without an address starts a private Ray (cluster.run.connect): its GCS, raylet,
     dashboard agents, runtime-env agent and workers all listen, and only on loopback; so does the store of
-    a 2-worker Ray Train process group set up as the stages set it up (cluster.process_group)."""
+    a 2-worker Ray Train process group set up as the stages set it up (cluster.process_group). The
+    dashboard runs (on loopback) and serves the State API, which Ray Train's placement-group cleaner polls
+    (without it the cleaner logs a failed query every few seconds of every stage)."""
     found = _run(
         f"""
         import os
@@ -93,6 +95,10 @@ def test_a_private_local_ray_and_its_train_workers_listen_only_on_loopback(tmp_p
         probe = Probe.remote()
         assert ray.get(probe.ip.remote()) == "127.0.0.1"
         assert ray.get(ray.remote(lambda: 1).remote()) == 1
+        from ray.util.state import list_actors  # the State API: served by the dashboard
+
+        gcs = ray.get_runtime_context().gcs_address  # other Ray instances may run on this machine
+        assert "Probe" in {{a.class_name for a in list_actors(address=gcs)}}
 
         def loop(config):
             t = torch.ones(1)
