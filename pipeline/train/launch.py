@@ -93,9 +93,10 @@ def _loopback_interface() -> str | None:
 
 
 def _single_process_group() -> None:
-    """A process group of one that listens on no network address: its store is in memory (env:// would
-    start a TCP store listening on every interface, whatever MASTER_ADDR says), and gloo's own socket
-    stays on the loopback device (its default is the address the host name resolves to)."""
+    """A process group of one that listens on loopback only: its store is in memory (env:// would start
+    a TCP store listening on every interface, whatever MASTER_ADDR says), and gloo's sockets are on the
+    loopback device (its default is the address the host name resolves to). GLOO_SOCKET_IFNAME stays set
+    for the process's lifetime: groups created later (DeepSpeed makes some) read it when they start."""
     loopback = _loopback_interface()
     if loopback:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
