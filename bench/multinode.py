@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -133,6 +135,20 @@ def worker(args: argparse.Namespace) -> None:
     shutdown_distributed()
 
 
+class _ServerErrors(logging.Handler):
+    """Counts the 5xx answers moto's request log (werkzeug's logger) shows. moto 5.2 fails some
+    CompleteMultipartUpload requests under concurrent uploads ('seek of closed file'); the client retries
+    them, and the save times then include the retries: the result says how many there were."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if re.search(r'" 5\d\d ', record.getMessage()):
+            self.count += 1
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out")
@@ -151,8 +167,9 @@ def main() -> None:
         args.model, args.img_size = "vit_debug", 32
     if args.worker_out:
         return worker(args)
-    server = None
+    server, server_errors = None, _ServerErrors()
     if args.store is None:
+        logging.getLogger("werkzeug").addHandler(server_errors)
         from moto.server import ThreadedMotoServer
 
         os.environ.update(
@@ -195,6 +212,7 @@ def main() -> None:
         "num_params": raw["num_params"],
         "checkpoint_bytes": raw["checkpoint_bytes"],
         "store": "local moto S3 server" if server is not None else "given bucket",
+        "server_5xx_responses": server_errors.count if server is not None else None,
         "device": "cuda" if torch.cuda.is_available() else "cpu",
         "repeats": args.repeats,
         "median_step_s": step,
