@@ -28,7 +28,7 @@ from pipeline.models import create_model
 from pipeline.objectives import build_objective
 from pipeline.stage import model_kwargs
 from pipeline.train import checkpoint
-from pipeline.train.engine import build_engine, consolidated_state_dict, init_distributed
+from pipeline.train.engine import bucket_elements, build_engine, consolidated_state_dict, init_distributed
 from pipeline.train.export import export_weights
 from pipeline.train.loop import train_step
 
@@ -197,6 +197,22 @@ def test_zero0_bf16_wrapper(one_rank, teacher_weights, objective):
     """ZeRO-0 under bf16 goes through DeepSpeed's own bf16 optimizer wrapper, not ZeRO's."""
     model = "vit_debug" if objective != "mae" else "mae_vit_debug"
     _run(one_rank, (model, objective, {"pos_embed": "sincos2d"}), "bf16", 0, teacher_weights)
+
+
+@pytest.mark.parametrize(
+    "num_params, elements",
+    [
+        (250_001, 250_048),  # a debug model: one bucket holds it all, rounded up
+        (5_717_416, 5_717_440),  # ViT-Ti
+        (86_420_200, 10_802_560),  # ViT-B: num_params / 8
+        (632_076_800, 79_009_600),  # ViT-H
+        (10**10, 500_000_000),  # the ceiling
+    ],
+)
+def test_communication_buckets_are_aligned_and_sized_from_the_model(num_params, elements):
+    """ZeRO-1/2 refuse a bucket that is not a multiple of their alignment (2 elements in bf16): a model with
+    an odd parameter count once got one. Sized num_params / 8 within [1e7, 5e8], never above the model."""
+    assert bucket_elements(num_params) == elements and elements % 64 == 0
 
 
 def test_fp16_is_refused_with_what_to_use_instead():

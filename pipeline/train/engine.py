@@ -110,8 +110,10 @@ def bucket_elements(num_params: int) -> int:
     PyTorch DDP's 25 MB default bucket, about one ViT-B block. It was 2e7, 80 MB in fp32: a fixed 40 MB
     more per rank that moved ViT-B's ZeRO-3/ZeRO-0 model state on 2 ranks from 0.529 to 0.558 when the
     reduction went to fp32. Models over 8e7 parameters (ViT-L and up) are sized by num_params / 8.
+    Rounded up to a multiple of 64: ZeRO-1/2 need a multiple of their alignment (2 elements in bf16).
     """
-    return int(min(5e8, max(min(num_params, 1e7), num_params // 8)))
+    elements = int(min(5e8, max(min(num_params, 1e7), num_params // 8)))
+    return -(-elements // 64) * 64
 
 
 def deepspeed_config(cfg: StageConfig, world_size: int, use_gpu: bool, num_params: int) -> dict:
