@@ -1,5 +1,9 @@
 """Start and stop a local Ray cluster on this machine: a head plus worker nodes, token auth on, 127.0.0.1.
 
+Every node's address is 127.0.0.1, so every socket of the cluster listens on loopback only
+(docs/security.md); the nodes are told apart by their Ray node IDs (cluster.process_group numbers a
+stage's local ranks by them).
+
 python -m cluster.local start --worker-nodes 1      # prints RAY_ADDRESS and the Jobs API URL
 python -m cluster.local stop
 """
@@ -20,6 +24,8 @@ from pathlib import Path
 
 import psutil  # installed with ray[default]
 
+from data_prep.executors import RAY_MULTI_NODE_SWITCH
+
 
 @dataclass(frozen=True)
 class LocalCluster:
@@ -34,9 +40,38 @@ def _ray_bin() -> str:
     return str(candidate) if candidate.exists() else (shutil.which("ray") or "ray")
 
 
+# `ray start` with the node address kept as given. Ray's C++ servers (GCS, raylet, workers) and its agents
+# listen on loopback only when the node's address is exactly 127.0.0.1, and on every interface otherwise;
+# Ray replaces 127.0.0.1 with the machine's address (ray._private.services.resolve_ip_for_localhost) unless
+# its multi-node switch (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER) is off, and with the switch off `ray start`
+# refuses to join a cluster. So the CLI runs with the switch on (read at import) and that one replacement
+# turned off, and hands the switch, off, to the daemons it starts (their agents, the workers and job
+# drivers they start would otherwise look for the GCS at the machine's address). Only for a loopback node:
+# on a node with a network address, processes find their node by that address.
+_RAY_START_AS_GIVEN = """
+import os, sys
+from ray._private import ray_constants, services
+ray_constants.ENABLE_RAY_CLUSTER = True  # whatever the environment says: a node may join
+services.resolve_ip_for_localhost = lambda host: host
+if sys.argv[sys.argv.index("--node-ip-address") + 1] == "127.0.0.1":
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+else:
+    os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
+from ray.scripts.scripts import main
+sys.argv[0] = "ray"
+sys.exit(main())
+"""
+
+
+def _ray_start(*args: str) -> list[str]:
+    """The command line of `ray start ARGS` that keeps --node-ip-address as given (see above)."""
+    return [sys.executable, "-c", _RAY_START_AS_GIVEN, "start", *args]
+
+
 def auth_env() -> dict[str, str]:
-    """Client environment for a token-authenticated cluster (token from ~/.ray/auth_token by default)."""
-    return {**os.environ, "RAY_AUTH_MODE": "token"}
+    """Client environment for a local cluster: token authentication (token from ~/.ray/auth_token by
+    default), and 127.0.0.1 kept as it is (RAY_MULTI_NODE_SWITCH off), where the cluster listens."""
+    return {**os.environ, "RAY_AUTH_MODE": "token", RAY_MULTI_NODE_SWITCH: "0"}
 
 
 def free_ports(n: int) -> list[int]:
@@ -79,19 +114,22 @@ def ensure_token() -> None:
     (Path.home() / ".ray" / "auth_token").chmod(0o600)  # a credential: readable by this user only
 
 
-def start_head(temp_dir: str, num_cpus: int = 4, include_dashboard: bool = True) -> LocalCluster:
+def start_head(
+    temp_dir: str, num_cpus: int = 4, include_dashboard: bool = True, node_ip: str = "127.0.0.1"
+) -> LocalCluster:
+    """The head node. `node_ip`: its address, 127.0.0.1 by default (every socket on loopback); another
+    address (this machine's on a network other machines can join from) makes Ray listen on every interface.
+    The dashboard and Jobs API stay on 127.0.0.1 either way (reach them through an SSH tunnel)."""
     ensure_token()
     ports: list[int] = []
 
     def command() -> tuple[list[str], str]:
         ports[:] = free_ports(2 + len(NODE_PORT_FLAGS))
         port, dash, *agents = ports
-        cmd = [
-            _ray_bin(),
-            "start",
+        cmd = _ray_start(
             "--head",
             "--node-ip-address",
-            "127.0.0.1",
+            node_ip,
             "--port",
             str(port),
             "--num-cpus",
@@ -106,11 +144,11 @@ def start_head(temp_dir: str, num_cpus: int = 4, include_dashboard: bool = True)
             str(dash),
             "--disable-usage-stats",
             *_node_ports(agents),
-        ]
-        return cmd, f"127.0.0.1:{port}"
+        )
+        return cmd, f"{node_ip}:{port}"
 
     _start(command, temp_dir)
-    return LocalCluster(f"127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}", temp_dir)
+    return LocalCluster(f"{node_ip}:{ports[0]}", f"http://127.0.0.1:{ports[1]}", temp_dir)
 
 
 # `ray start` waits a fixed 30 s for its raylet to register with the GCS; a machine busy enough passes that
@@ -138,9 +176,8 @@ def _start(command: Callable[[], tuple[list[str], str | None]], temp_dir: str) -
         timed_out = "timed out during startup" in proc.stdout + proc.stderr
         if not timed_out or attempt == START_ATTEMPTS:
             tried = f" (attempt {attempt} of {START_ATTEMPTS})" if timed_out else ""
-            raise RuntimeError(
-                f"`{' '.join(cmd)}` failed ({proc.returncode}){tried}:\n{proc.stdout}\n{proc.stderr}"
-            )
+            shown = " ".join(cmd).replace(f"{sys.executable} -c {_RAY_START_AS_GIVEN}", "ray")
+            raise RuntimeError(f"`{shown}` failed ({proc.returncode}){tried}:\n{proc.stdout}\n{proc.stderr}")
         print(
             f"ray start timed out waiting for its raylet (attempt {attempt}); starting it again",
             file=sys.stderr,
@@ -186,18 +223,15 @@ def add_worker_node(
     """A second Ray node on this machine (its own raylet, resources and temp dir), joined to the head.
 
     Its own temp dir matters: two raylets sharing one session folder garbage-collect each other's
-    runtime-env packages, deleting a running job's working directory. Its own loopback address
-    (127.0.0.2, still reachable from this machine only) matters too: Ray Train numbers a worker's local
-    rank among the workers with the same node IP, and a node's first local rank tends its own disk. (Ray
-    replaces 127.0.0.1 itself with the machine's address, which the head has too.) Linux routes all of
-    127.0.0.0/8 to the loopback device; elsewhere (macOS: 127.0.0.1 only) the default is 127.0.0.1.
+    runtime-env packages, deleting a running job's working directory. Its address is the head's unless
+    `node_ip` says otherwise: with both on 127.0.0.1, every socket of the node is on loopback.
 
     `own_disk=(PATH, FOLDER)`: the node and every process it starts see FOLDER at PATH (a private mount
     namespace, `unshare --mount`, needs root), while the head and the driver see the real PATH: two nodes
     with their own local disks at the same paths, as on a GPU cluster with node-local NVMe.
     """
     if node_ip is None:
-        node_ip = "127.0.0.2" if sys.platform.startswith("linux") else "127.0.0.1"
+        node_ip = cluster.address.rpartition(":")[0]
     if own_disk is not None:
         Path(own_disk[0]).mkdir(parents=True, exist_ok=True)
         Path(own_disk[1]).mkdir(parents=True, exist_ok=True)
@@ -210,9 +244,7 @@ def add_worker_node(
 def _worker_command(
     cluster: LocalCluster, num_cpus: int, name: str, own_disk: tuple[str, str] | None, node_ip: str
 ) -> list[str]:
-    cmd = [
-        _ray_bin(),
-        "start",
+    cmd = _ray_start(
         "--address",
         cluster.address,
         "--node-ip-address",
@@ -225,7 +257,7 @@ def _worker_command(
         json.dumps({f"node:{name}": 1}),
         "--disable-usage-stats",
         *_node_ports(),
-    ]
+    )
     if own_disk is None:
         return cmd
     path, folder = own_disk
@@ -257,6 +289,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--num-cpus", type=int, default=os.cpu_count() or 2, help="CPUs of each node")
     s.add_argument("--worker-nodes", type=int, default=1, help="extra Ray nodes on this machine")
     s.add_argument(
+        "--node-ip-address",
+        default="127.0.0.1",
+        help="the nodes' address (default 127.0.0.1: every socket on loopback only); this machine's address "
+        "on a network lets other machines' `ray start --address` join, and Ray then listens on every "
+        "interface (docs/security.md)",
+    )
+    s.add_argument(
         "--own-disk",
         metavar="PATH",
         help="give each extra node its own folder at PATH (PATH.NODE bind-mounted there; needs root): "
@@ -265,13 +304,16 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("stop")
     args = p.parse_args(argv)
     if args.cmd == "start":
-        c = start_head(args.temp_dir, args.num_cpus)
+        c = start_head(args.temp_dir, args.num_cpus, node_ip=args.node_ip_address)
         for i in range(args.worker_nodes):
             node = f"worker{i + 1}"
             disk = (args.own_disk, f"{args.own_disk.rstrip('/')}.{node}") if args.own_disk else None
-            ip = f"127.0.0.{i + 2}" if sys.platform.startswith("linux") else None
-            add_worker_node(c, args.num_cpus, node, own_disk=disk, node_ip=ip)
-        print(f"RAY_ADDRESS={c.address}\nJobs API: {c.dashboard_url}\nclients need RAY_AUTH_MODE=token")
+            add_worker_node(c, args.num_cpus, node, own_disk=disk)
+        print(
+            f"RAY_ADDRESS={c.address}\nJobs API: {c.dashboard_url}\nclients need RAY_AUTH_MODE=token "
+            f"(and {RAY_MULTI_NODE_SWITCH}=0 for Ray's own CLI at {c.address}: Ray would replace 127.0.0.1 "
+            "with this machine's address, where nothing listens)"
+        )
     else:
         stop()
     return 0

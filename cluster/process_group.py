@@ -7,8 +7,13 @@ env:// or tcp://, and torch's TCP store then listens on every interface of rank 
 MASTER_ADDR says (docs/security.md). Here rank 0 binds a socket to its node's Ray address first (127.0.0.1
 in the private local Ray that `vitpipe run` starts; the cluster network's address on a real node) and
 hands it to the store as `master_listen_fd`; the others connect to that address; each rank then joins the
-process group through the store. The rest is Ray Train's: backend choice, the torch environment variables,
-the shutdown.
+process group through the store.
+
+Local ranks (LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK) count the workers on each Ray node (by node ID), not
+on each node address as Ray Train does: the nodes of a local cluster all have the address 127.0.0.1
+(cluster.local), and a node's first local rank tends its own disk. On a real cluster, one address per node,
+both give the same numbers. The rest is Ray Train's: backend choice, the other torch environment
+variables, the shutdown.
 """
 
 from __future__ import annotations
@@ -66,6 +71,26 @@ def _join(backend: str, world_rank: int, world_size: int, addr: str, port: int, 
     )
 
 
+def _node_id() -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
+def _set_local_ranks(local_rank: int, local_world_size: int, node_rank: int) -> None:
+    os.environ.update(
+        LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(local_world_size), NODE_RANK=str(node_rank)
+    )
+
+
+def local_ranks(node_ids: list[str]) -> list[tuple[int, int, int]]:
+    """(local rank, local world size, node rank) of each world rank, given each rank's node ID. Ray Train
+    numbers ranks node by node, so a node's ranks are consecutive; this does not rely on it."""
+    nodes = list(dict.fromkeys(node_ids))  # in order of first rank
+    return [
+        (node_ids[:rank].count(node), node_ids.count(node), nodes.index(node))
+        for rank, node in enumerate(node_ids)
+    ]
+
+
 class _NodeAddressBackend(_TorchBackend):
     def on_start(self, worker_group, backend_config: NodeAddressTorchConfig) -> None:
         backend = backend_config.backend or "gloo"
@@ -73,6 +98,8 @@ class _NodeAddressBackend(_TorchBackend):
         if not isinstance(worker_group, V1WorkerGroup):  # Ray Train v1 sets them itself later
             worker_group.execute(_set_torch_distributed_env_vars)  # RANK, LOCAL_RANK, WORLD_SIZE, ...
         n = len(worker_group)
+        ranks = local_ranks(worker_group.execute(_node_id))
+        ray.get([worker_group.execute_single_async(i, _set_local_ranks, *ranks[i]) for i in range(n)])
         ray.get(
             [
                 worker_group.execute_single_async(

@@ -31,6 +31,7 @@ from cluster.local import free_ports
 from cluster.preflight import check_nodes_see, check_not_in_job_copy, job_working_dir
 from cluster.process_group import NodeAddressTorchConfig
 from data_prep import atomic
+from data_prep.executors import RAY_MULTI_NODE_SWITCH, keep_loopback_address
 from data_prep.layout import DatasetError
 from data_prep.storage import Store, child
 from pipeline.config import (
@@ -89,14 +90,10 @@ def connect(address: str | None) -> None:
         return
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
+        keep_loopback_address(address)  # a cluster.local cluster: every node at 127.0.0.1
         ray.init(address=address)
     else:
         _start_private_ray()
-
-
-# Ray's switch for multi-node clusters on Windows and macOS; "0" also keeps Linux from replacing a loopback
-# node IP with the machine's address (ray._private.services.get_node_ip_address).
-_RAY_MULTI_NODE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def _start_private_ray() -> None:
@@ -112,8 +109,8 @@ def _start_private_ray() -> None:
     """
     from ray._private import ray_constants
 
-    before = os.environ.get(_RAY_MULTI_NODE)
-    os.environ[_RAY_MULTI_NODE] = "0"
+    before = os.environ.get(RAY_MULTI_NODE_SWITCH)
+    os.environ[RAY_MULTI_NODE_SWITCH] = "0"
     ray_constants.ENABLE_RAY_CLUSTER = False  # read once at import: the driver's own node-IP lookup
     try:
         # The dashboard serves the State API, which Ray Train's placement-group cleaner polls: without it
@@ -122,9 +119,9 @@ def _start_private_ray() -> None:
         ray.init(dashboard_host="127.0.0.1", dashboard_port=port, _node_ip_address="127.0.0.1")
     finally:
         if before is None:
-            os.environ.pop(_RAY_MULTI_NODE, None)
+            os.environ.pop(RAY_MULTI_NODE_SWITCH, None)
         else:
-            os.environ[_RAY_MULTI_NODE] = before
+            os.environ[RAY_MULTI_NODE_SWITCH] = before
 
 
 def run_stage(cfg: StageConfig, parent_run_id: str | None = None):

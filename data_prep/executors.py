@@ -55,6 +55,26 @@ def run_pool(tasks: Iterable[ShardTask], job: ShardJob, workers: int) -> Iterato
             raise
 
 
+# Ray's switch for multi-node clusters on Windows and macOS. Off ("0"), it also stops Ray from replacing a
+# loopback address with the machine's: a client of a cluster whose nodes are all at 127.0.0.1 (cluster.local,
+# every socket on loopback) must keep that address to reach it.
+RAY_MULTI_NODE_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def keep_loopback_address(address: str) -> None:
+    """Before this process joins the Ray cluster at `address` (or RAY_ADDRESS): when its host is loopback,
+    turn the replacement off here (Ray read the switch when it was imported) and for the processes this one
+    starts. A cluster at a network address is left as Ray finds it."""
+    host = address.removeprefix("ray://").removeprefix("http://").rpartition(":")[0]
+    if host not in LOOPBACK_HOSTS:
+        return
+    os.environ[RAY_MULTI_NODE_SWITCH] = "0"
+    from ray._private import ray_constants  # optional (`--ray` and clusters only)
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
 def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
     """Fail fast on a wrong RAY_ADDRESS: ray.init would retry an unreachable GCS for minutes."""
     host, _, port = address.removeprefix("ray://").rpartition(":")
@@ -74,6 +94,7 @@ def run_on_ray(tasks: Iterable[ShardTask], job: ShardJob) -> Iterator[ShardResul
         _check_reachable(os.environ.get("RAY_ADDRESS", ""))
         import ray  # optional (`--ray` only), and slow to import: only on this path
 
+        keep_loopback_address(os.environ.get("RAY_ADDRESS", ""))
         ray.init(address="auto", logging_level=logging.WARNING, log_to_driver=False)
     except (ImportError, ConnectionError, RuntimeError, OSError) as exc:
         raise DatasetError(

@@ -16,20 +16,27 @@ import sys
 import textwrap
 from pathlib import Path
 
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 
-# listeners() -> {"name pid": [[ip, port], ...]}: the listening sockets of this process and its descendants.
+# listeners(roots=None) -> {"name pid": [[ip, port], ...]}: the listening sockets of the root processes (this
+# one by default) and of all their descendants. Run in the test scripts' processes and in this one.
 LISTENERS = textwrap.dedent(
     """
     import json, psutil
 
-    def listeners():
+    def listeners(roots=None):
         found = {}
-        me = psutil.Process()
-        for proc in [me, *me.children(recursive=True)]:
+        procs = {}
+        for root in roots or [psutil.Process()]:
+            try:
+                procs.update((p.pid, p) for p in [root, *root.children(recursive=True)])
+            except psutil.NoSuchProcess:
+                continue
+        for proc in procs.values():
             try:
                 conns = proc.net_connections(kind="inet")
                 name = proc.name()
@@ -41,6 +48,29 @@ LISTENERS = textwrap.dedent(
         return found
     """
 )
+_namespace: dict = {}
+exec(LISTENERS, _namespace)
+listeners = _namespace["listeners"]
+
+
+def processes_of(marker: str) -> list[psutil.Process]:
+    """The processes whose command line names `marker` (a local cluster's temp dir names its nodes')."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if marker in " ".join(p.info["cmdline"] or []):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def listening_on(port: int) -> psutil.Process:
+    """The process listening on `port`."""
+    for c in psutil.net_connections(kind="inet"):
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid:
+            return psutil.Process(c.pid)
+    raise AssertionError(f"nothing listens on port {port}")
 
 
 def _run(script: str, timeout: float) -> dict[str, list[list]]:
@@ -169,3 +199,97 @@ def test_a_single_process_training_run_listens_only_on_loopback(smoke_dataset, t
     )
     assert found, "gloo's own listening socket was not seen: the sampler saw nothing"
     assert not _outside_loopback(found), f"listening outside loopback: {_outside_loopback(found)}"
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_local_cluster_of_two_nodes_listens_only_on_loopback(ray_cluster, tmp_path):
+    """The suite's local cluster (cluster.local: a head and a second node, token auth on) and a 2-worker
+    Ray Train process group spread over its two nodes as the stages set it up: every daemon, agent, worker
+    and the store listen on loopback only. Both nodes have the address 127.0.0.1, so each worker is the
+    first local rank of its own node by Ray node ID (cluster.process_group), as on two real machines."""
+    found = _run(
+        f"""
+        import os
+        from pathlib import Path
+
+        import ray
+        import torch.distributed as dist
+        from ray.train import RunConfig, ScalingConfig
+        from ray.train.torch import TorchTrainer
+
+        from cluster.process_group import NodeAddressTorchConfig
+
+        from data_prep.executors import keep_loopback_address
+
+        os.environ["RAY_AUTH_MODE"] = "token"
+        keep_loopback_address("{ray_cluster.address}")  # as cluster.run.connect does
+        ray.init(address="{ray_cluster.address}", logging_level="ERROR")
+
+        def loop(config):
+            dist.barrier()
+            env = {{k: os.environ[k] for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR")}}
+            me = {{"node": ray.get_runtime_context().get_node_id(), "env": env, "listeners": listeners()}}
+            Path(config["out"], f"rank{{dist.get_rank()}}.json").write_text(json.dumps(me))
+            dist.barrier()
+
+        TorchTrainer(
+            loop,
+            train_loop_config={{"out": "{tmp_path}"}},
+            scaling_config=ScalingConfig(
+                num_workers=2, resources_per_worker={{"CPU": 1}}, placement_strategy="STRICT_SPREAD"
+            ),
+            torch_config=NodeAddressTorchConfig(backend="gloo"),
+            run_config=RunConfig(storage_path="{tmp_path / "ray"}"),
+        ).fit()
+        print("LISTENERS " + json.dumps(listeners()), flush=True)  # the driver's own
+        ray.shutdown()
+        """,
+        timeout=600,
+    )
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["node"] != ranks[1]["node"], ranks  # STRICT_SPREAD: one worker per node
+    assert [r["env"]["LOCAL_RANK"] for r in ranks] == ["0", "0"], ranks
+    assert [r["env"]["LOCAL_WORLD_SIZE"] for r in ranks] == ["1", "1"], ranks
+    assert [r["env"]["NODE_RANK"] for r in ranks] == ["0", "1"], ranks
+    assert {r["env"]["MASTER_ADDR"] for r in ranks} == {"127.0.0.1"}, ranks
+    for r in ranks:
+        assert r["listeners"], "a worker that joined a gloo group listens on something"
+        assert not _outside_loopback(r["listeners"]), f"a worker listening outside loopback: {r['listeners']}"
+    assert not _outside_loopback(found), f"the driver listening outside loopback: {found}"
+
+    # Every process of both nodes (their temp dirs are the head's and the head's with "-worker1"), and all
+    # they started: GCS, two raylets, dashboard, agents, idle workers.
+    cluster = listeners(processes_of(ray_cluster.temp_dir))
+    names = " ".join(cluster)
+    assert names.count("raylet") == 2 and "gcs_server" in names and "ray::" in names, cluster
+    assert not _outside_loopback(cluster), (
+        f"the cluster listening outside loopback: {_outside_loopback(cluster)}"
+    )
+
+
+def test_the_mlflow_and_s3_servers_that_nodes_share_listen_only_on_loopback(mlflow_server, s3):
+    """The multi-node rehearsal's shared services: the MLflow server (and every process it starts) and moto,
+    the S3 protocol server (a thread of this process)."""
+    port = int(mlflow_server.rpartition(":")[2])
+    server = listeners([listening_on(port)])
+    assert any(p == port for socks in server.values() for _, p in socks), server
+    assert not _outside_loopback(server), f"the MLflow server listening outside loopback: {server}"
+
+    moto_port = int(s3("x").split("endpoint_override=")[1].split("&")[0].rpartition(":")[2])
+    moto = [
+        c.laddr.ip
+        for c in psutil.net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == moto_port
+    ]
+    assert moto and set(moto) <= LOOPBACK, moto
+
+
+@pytest.mark.unit
+def test_local_ranks_count_the_workers_of_each_ray_node():
+    from cluster.process_group import local_ranks
+
+    # Two nodes of two workers, numbered node by node (as Ray Train numbers them), then interleaved.
+    assert local_ranks(["a", "a", "b", "b"]) == [(0, 2, 0), (1, 2, 0), (0, 2, 1), (1, 2, 1)]
+    assert local_ranks(["a", "b", "a"]) == [(0, 2, 0), (0, 1, 1), (1, 2, 0)]
+    assert local_ranks(["only"]) == [(0, 1, 0)]

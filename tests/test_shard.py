@@ -335,7 +335,7 @@ def test_max_size_bounds_shard_bytes(class_folder, tmp_path):
 def test_ray_tasks_write_the_same_shards(ray_cluster, tmp_path):
     args = ["--num", 40, "--classes", 6, "--width", 32, "--height", 32, "--max-count", 10]
     shard("synthetic", tmp_path / "local", *args, "--workers", 1)
-    env = {**os.environ, "RAY_ADDRESS": ray_cluster.address, "RAY_AUTH_MODE": "token"}
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.address, "RAY_AUTH_MODE": "token"}  # as a user sets it
     shard("synthetic", tmp_path / "ray", *args, "--ray", env=env)
     assert shard_hashes(tmp_path / "ray") == shard_hashes(tmp_path / "local")
     assert read_manifest(tmp_path / "ray").shards == read_manifest(tmp_path / "local").shards
