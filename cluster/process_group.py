@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections import Counter
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -84,11 +85,14 @@ def _set_local_ranks(local_rank: int, local_world_size: int, node_rank: int) -> 
 def local_ranks(node_ids: list[str]) -> list[tuple[int, int, int]]:
     """(local rank, local world size, node rank) of each world rank, given each rank's node ID. Ray Train
     numbers ranks node by node, so a node's ranks are consecutive; this does not rely on it."""
-    nodes = list(dict.fromkeys(node_ids))  # in order of first rank
-    return [
-        (node_ids[:rank].count(node), node_ids.count(node), nodes.index(node))
-        for rank, node in enumerate(node_ids)
-    ]
+    node_rank = {node: i for i, node in enumerate(dict.fromkeys(node_ids))}  # in order of first rank
+    size = Counter(node_ids)
+    seen: Counter = Counter()
+    out = []
+    for node in node_ids:
+        out.append((seen[node], size[node], node_rank[node]))
+        seen[node] += 1
+    return out
 
 
 class _NodeAddressBackend(_TorchBackend):

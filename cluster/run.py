@@ -31,7 +31,7 @@ from cluster.local import free_ports
 from cluster.preflight import check_nodes_see, check_not_in_job_copy, job_working_dir
 from cluster.process_group import NodeAddressTorchConfig
 from data_prep import atomic
-from data_prep.executors import RAY_MULTI_NODE_SWITCH, keep_loopback_address
+from data_prep.executors import RAY_MULTI_NODE_SWITCH, keep_loopback, keep_loopback_address
 from data_prep.layout import DatasetError
 from data_prep.storage import Store, child
 from pipeline.config import (
@@ -107,11 +107,8 @@ def _start_private_ray() -> None:
     is taken out of this process's environment again afterwards: a `ray start` this process later runs
     for a real cluster must not inherit it (it refuses to join one).
     """
-    from ray._private import ray_constants
-
     before = os.environ.get(RAY_MULTI_NODE_SWITCH)
-    os.environ[RAY_MULTI_NODE_SWITCH] = "0"
-    ray_constants.ENABLE_RAY_CLUSTER = False  # read once at import: the driver's own node-IP lookup
+    keep_loopback()  # the driver's own node-IP lookup, and the processes ray.init starts
     try:
         # The dashboard serves the State API, which Ray Train's placement-group cleaner polls: without it
         # the cleaner logs "Failed to query Ray Train Controller actor state" every few seconds.

@@ -67,12 +67,16 @@ def keep_loopback_address(address: str) -> None:
     turn the replacement off here (Ray read the switch when it was imported) and for the processes this one
     starts. A cluster at a network address is left as Ray finds it."""
     host = address.removeprefix("ray://").removeprefix("http://").rpartition(":")[0]
-    if host not in LOOPBACK_HOSTS:
-        return
+    if host in LOOPBACK_HOSTS:
+        keep_loopback()
+
+
+def keep_loopback() -> None:
+    """Ray's replacement of 127.0.0.1 off, in this process and in the processes it starts from here on."""
     os.environ[RAY_MULTI_NODE_SWITCH] = "0"
     from ray._private import ray_constants  # optional (`--ray` and clusters only)
 
-    ray_constants.ENABLE_RAY_CLUSTER = False
+    ray_constants.ENABLE_RAY_CLUSTER = False  # read once, when Ray was imported
 
 
 def _check_reachable(address: str, timeout_s: float = 5.0) -> None:

@@ -2,9 +2,10 @@
 
     .venv/bin/python -m pytest tests/test_security.py -q
 
-Each test runs the real thing in a child process, which lists the listening TCP sockets of itself and of
-every process it started (Ray's GCS, raylet, dashboard agents and workers are all its descendants) with
-psutil while it runs, and prints them as JSON.
+The tests run the real things (a private Ray, a training run, the suite's two-node local cluster with a Ray
+Train group on it, the MLflow and S3 servers) and list with psutil the listening TCP sockets of each process
+and of every process it started (Ray's GCS, raylets, agents and workers are all descendants of a node's
+`ray start`); a child process prints its findings as JSON.
 """
 
 from __future__ import annotations
