@@ -46,9 +46,11 @@ TEST_WORKERS ?= 5
 test: setup
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
-# Single-process tests without the slow ones (the bench dry run, ZeRO-3 sweeps, compiling): under 4 minutes.
+# Every module's unit tests, without Ray clusters, torchrun launches or the slow ones (the bench dry run,
+# ZeRO-3 sweeps, compiling): two xdist workers, one per core (the tests are single-process, so a third only
+# contends). Under 4 minutes.
 test-fast: setup
-	$(PY) -m pytest tests -m "unit and not slow and not dist"
+	$(PY) -m pytest tests -n 2 --dist loadgroup -m "unit and not slow and not dist and not ray"
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -445,6 +445,7 @@ def every_step_dataset(tmp_path_factory):
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items):
+    scheduling.check_tiers(items)
     scheduling.order_and_group(items)
 
 

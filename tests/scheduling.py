@@ -26,30 +26,34 @@ RAY_GROUPS = {
     "test_an_elastic_stage_that_loses_a_node_goes_on_on_the_rest": "ray_c",
 }
 # Tests that take minutes: started before everything else, longest first. Seconds as measured inside a
-# full `make test` (2 cores, 5 workers, so several times their time alone); a group's weight is its
-# longest test's, so a Ray group's first test carries the whole group's time (cluster start included).
+# full `make test` (2 cores, 5 workers, so several times their time alone; 2026-12-03); a group's weight is
+# its longest test's, so a Ray group's first test carries the whole group's time (cluster start included).
+# tools/test_cpu.py measures them (wall and CPU per test, children and Ray daemons included).
 LONG_TESTS = {
-    "test_reduced_demo_runs_end_to_end": 660,
-    "test_nodes_that_share_only_the_bucket_and_mlflow_run_stop_and_resume_an_experiment": 500,
-    "test_a_killed_node_recovers_with_the_weights_of_an_uninterrupted_run": 600,  # ray_b: retries, detection
-    "test_segmentation_stages_run_as_ray_stages": 600,  # ray_c: with the thin run and the elastic stage
-    "test_two_ranks_resume_on_one_per_zero_stage": 250,
-    "test_one_rank_resumes_on_two_per_zero_stage_in_bf16": 250,
-    "test_a_stage_saved_by_two_nodes_goes_on_on_one_and_back_on_two": 150,
+    "test_nodes_that_share_only_the_bucket_and_mlflow_run_stop_and_resume_an_experiment": 1140,  # ray_a
+    "test_a_killed_node_recovers_with_the_weights_of_an_uninterrupted_run": 910,  # ray_b: retries, detection
+    "test_reduced_demo_runs_end_to_end": 880,
+    "test_segmentation_stages_run_as_ray_stages": 640,  # ray_c: with the thin run and the elastic stage
+    "test_two_ranks_resume_on_one_per_zero_stage": 560,
+    "test_two_ranks_give_the_single_process_result": 470,  # its module fixture: both evaluations
+    "test_setr_trains_from_an_mae_encoder_under_every_zero_stage_and_reports_miou": 400,
+    "test_compiled_model_trains_like_eager_under_zero3": 280,  # compiles on both ranks
+    "test_each_family_trains_under_every_zero_stage_with_distillation_and_simmim": 260,
+    "test_detr_trains_from_an_mae_encoder_under_every_zero_stage_and_reports_box_ap": 250,
+    "test_gpu_bench_dry_run_runs_every_case_on_cpu": 230,  # five engines, a dataset and three loaders
+    "test_one_rank_resumes_on_two_per_zero_stage_in_bf16": 210,
+    "test_a_stage_saved_by_two_nodes_goes_on_on_one_and_back_on_two": 210,
+    "test_no_host_read_between_log_steps": 50,  # each of its cases
+    "test_sigterm_checkpoints_and_resume_falls_back_past_a_corrupt_checkpoint": 150,
+    "test_every_objective_trains_and_its_loss_falls": 140,
+    "test_resume_is_bitwise_exact_per_zero_stage": 135,
+    "test_every_family_and_objective_trains_in_bf16": 130,  # its module: 90 engines in one process
+    "test_same_seed_same_losses_on_cpu": 115,
+    "test_checkpoints_on_s3_resume_a_run_whose_local_directory_is_gone": 90,
+    "test_a_private_local_ray_and_its_train_workers_listen_only_on_loopback": 85,
     "test_ranks_without_a_shared_disk_prune_their_own_and_agree_on_what_to_resume": 80,
-    "test_sigterm_checkpoints_and_resume_falls_back_past_a_corrupt_checkpoint": 270,
-    "test_resume_is_bitwise_exact_per_zero_stage": 245,
-    "test_two_ranks_give_the_single_process_result": 245,  # its module fixture: both evaluations
-    "test_checkpoints_on_s3_resume_a_run_whose_local_directory_is_gone": 150,
-    "test_each_family_trains_under_every_zero_stage_with_distillation_and_simmim": 75,
-    "test_gpu_bench_dry_run_runs_every_case_on_cpu": 90,  # five engines, a dataset and three loaders
-    "test_every_family_and_objective_trains_in_bf16": 150,  # its module: 90 engines in one process
-    "test_compiled_model_trains_like_eager_under_zero3": 120,  # compiles on both ranks
-    "test_export_is_assembled_in_memory_and_equals_zero_to_fp32": 60,
-    "test_same_seed_same_losses_on_cpu": 55,
-    "test_every_objective_trains_and_its_loss_falls": 50,
-    "test_setr_trains_from_an_mae_encoder_under_every_zero_stage_and_reports_miou": 155,
-    "test_detr_trains_from_an_mae_encoder_under_every_zero_stage_and_reports_box_ap": 155,
+    "test_export_is_assembled_in_memory_and_equals_zero_to_fp32": 75,
+    "test_a_single_process_training_run_listens_only_on_loopback": 65,
     "test_vitpipe_compare_command": 45,
 }
 
@@ -104,6 +108,16 @@ def order_and_group(items: list[pytest.Item]) -> None:
         rest = [i for i in order[cut:] if i not in light]
         order = order[:cut] + light + rest
     items[:] = [items[i] for i in order]
+
+
+def check_tiers(items: list[pytest.Item]) -> None:
+    """`make test-fast` selects by marker (`unit and not slow and not dist and not ray`): a test that starts
+    or joins a local Ray cluster must say so with the `ray` marker, or the fast tier would wait on clusters."""
+    unmarked = [
+        i.nodeid for i in items if "ray_cluster" in i.fixturenames and not i.get_closest_marker("ray")
+    ]
+    if unmarked:
+        raise pytest.UsageError(f"tests on a Ray cluster without the `ray` marker: {unmarked}")
 
 
 def check_groups_applied(config: pytest.Config, items: list[pytest.Item]) -> None:
