@@ -13,7 +13,7 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "train",
         help="run one training stage from an experiment config",
-        description="Run one training stage. Overrides are dotted KEY=VALUE pairs, e.g. optim.lr=3e-4 "
+        description="Run one training stage. Overrides are dotted KEY=VALUE pairs, e.g. optim.steps=100 "
         "cluster.num_workers=2. cluster.launcher picks Ray Train workers (ray) or this process (local).",
     )
     p.add_argument("config", help="experiment YAML, e.g. configs/experiments/smoke.yaml")

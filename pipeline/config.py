@@ -1,7 +1,7 @@
 """The typed config tree: YAML in, a validated `StageConfig` (one stage) or `Experiment` (stages) out.
 
-    cfg = load_config("configs/experiments/smoke.yaml", ["optim.lr=3e-4", "cluster.num_workers=2"])
-    exp = load_experiment("configs/experiments/demo.yaml", ["stages.finetune.optim.lr=1e-3"])
+    cfg = load_config("configs/experiments/smoke.yaml", ["optim.steps=100", "cluster.num_workers=2"])
+    exp = load_experiment("configs/experiments/demo.yaml", ["stages.finetune.optim.steps=100"])
     check_inputs(exp)    # entry points, before any worker or cluster resource starts: datasets exist
 
 Every section is a pydantic model that forbids unknown keys, and so is the multi-stage file
@@ -311,8 +311,18 @@ class ObjectiveConfig(_Section):
 
 
 class OptimConfig(_Section):
-    lr: float = Field(1e-3, gt=0.0, description="Base learning rate, scaled by global_batch / 256.")
-    scale_lr: bool = Field(True, description="Apply lr = lr * global_batch / 256.")
+    lr: float | None = Field(
+        None,
+        gt=0.0,
+        description="Peak learning rate (after warmup), as given, whatever the batch (timm, OpenCLIP, "
+        "big_vision, torchtitan). Set lr or base_lr; neither means lr 1e-3.",
+    )
+    base_lr: float | None = Field(
+        None,
+        gt=0.0,
+        description="Batch-scaled learning rate (MAE's blr): the peak is base_lr * global_batch / 256 "
+        "(Goyal et al.; MAE, DeiT). Set lr or base_lr, not both.",
+    )
     weight_decay: float = Field(0.05, ge=0.0, description="Decoupled weight decay (AdamW).")
     betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas.")
     steps: int = Field(40, gt=0, description="Total optimizer steps of the stage.")
@@ -322,6 +332,23 @@ class OptimConfig(_Section):
     layer_decay: float | None = Field(
         None, gt=0.0, le=1.0, description="Layer-wise lr decay (fine-tuning, e.g. 0.75); null disables."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_lr(cls, data):
+        if isinstance(data, dict) and data.get("lr") is None and data.get("base_lr") is None:
+            return {**data, "lr": 1e-3}
+        return data
+
+    @model_validator(mode="after")
+    def _one_lr(self) -> OptimConfig:
+        if self.lr is not None and self.base_lr is not None:
+            raise ValueError(
+                f"optim.lr ({self.lr:g}, the peak as given) and optim.base_lr ({self.base_lr:g}, scaled by "
+                "global_batch / 256) are both set: keep one (to override one that a file sets with the "
+                "other, also set the other to null, e.g. optim.lr=3e-4 optim.base_lr=null)"
+            )
+        return self
 
 
 class DeepSpeedConfig(_Section):
@@ -701,6 +728,8 @@ _MULTI_STAGE_KEYS = ("stages", "defaults", "storage", "seeds")
 _MOVED_KEYS = {
     ("deepspeed", "activation_checkpointing"): "moved to model.grad_checkpointing: a fraction of the blocks "
     "(true is 1.0, every block)",
+    ("optim", "scale_lr"): "removed: optim.lr is now the peak learning rate as given; for lr = x * "
+    "global_batch / 256 write optim.base_lr: x instead of optim.lr (MAE's blr)",
 }
 
 
@@ -1042,7 +1071,7 @@ class _ExperimentKeys(_Section):
         ...,
         min_length=1,
         description="Stage name -> that stage's own keys (any stage key but name, seed and run_dir, which the "
-        "experiment sets), run in this order; overrides read `stages.NAME.optim.lr=1e-3` (with `seeds`, the "
+        "experiment sets), run in this order; overrides read `stages.NAME.optim.steps=100` (with `seeds`, the "
         "name as written: the override applies to every replica).",
     )
 

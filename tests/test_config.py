@@ -1,9 +1,12 @@
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from pipeline.config import ConfigError, flatten, load_config, load_experiment, save_resolved, validate_config
+from pipeline.models import create_model
+from pipeline.train.engine import peak_lr
 
 pytestmark = pytest.mark.unit
 SMOKE = Path(__file__).parents[1] / "configs/experiments/smoke.yaml"
@@ -20,7 +23,7 @@ def test_smoke_config_is_valid_and_typed():
     assert cfg.name == "smoke"
     assert cfg.deepspeed.zero_stage == 2
     assert cfg.cluster.num_workers == 2
-    assert isinstance(cfg.optim.lr, float)
+    assert (cfg.optim.lr, cfg.optim.base_lr) == (None, 0.02)  # batch-scaled: 2.5e-3 at 2 x 16
     assert cfg.data.synthetic is not None and cfg.data.synthetic.num == 320
 
 
@@ -59,16 +62,59 @@ def test_missing_file_is_a_clear_error(tmp_path):
 
 
 def test_nested_overrides_are_parsed_and_validated():
-    cfg = load_config(SMOKE, ["optim.lr=3e-4", "cluster.num_workers=3", "model.overrides.pool=gap"])
-    assert cfg.optim.lr == pytest.approx(3e-4)
+    cfg = load_config(SMOKE, ["optim.base_lr=3e-4", "cluster.num_workers=3", "model.overrides.pool=gap"])
+    assert cfg.optim.base_lr == pytest.approx(3e-4)
     assert cfg.cluster.num_workers == 3
     assert cfg.model.overrides == {"pool": "gap"}
     with pytest.raises(ConfigError, match=r"cluster\.num_wrkers: unknown key"):
         load_config(SMOKE, ["cluster.num_wrkers=3"])
     with pytest.raises(ConfigError, match="expected KEY.PATH=VALUE"):
         load_config(SMOKE, ["optim.lr"])
-    with pytest.raises(ConfigError, match=r"optim\.lr is a float, not a section"):
-        load_config(SMOKE, ["optim.lr.x=1"])
+    with pytest.raises(ConfigError, match=r"optim\.base_lr is a float, not a section"):
+        load_config(SMOKE, ["optim.base_lr.x=1"])
+
+
+def test_lr_is_the_peak_as_given_and_base_lr_scales_with_the_global_batch(tmp_path):
+    """optim.lr is taken as given, whatever the batch (timm, OpenCLIP, big_vision); optim.base_lr is MAE's
+    blr, lr = base_lr * global_batch / 256; neither is lr 1e-3; both, or the old scale_lr, is an error that
+    says what to write."""
+    # The smoke config's base_lr 0.02 at batch 16 per rank: 2.5e-3 on 2 ranks, 5e-3 on 4 (or 2 x accum 2).
+    smoke = load_config(SMOKE)
+    assert peak_lr(smoke, 2) == pytest.approx(2.5e-3) and peak_lr(smoke, 4) == pytest.approx(5e-3)
+    assert peak_lr(load_config(SMOKE, ["deepspeed.grad_accum=2"]), 2) == pytest.approx(5e-3)
+    given = load_config(SMOKE, ["optim.lr=3e-4", "optim.base_lr=null"])
+    assert (given.optim.lr, given.optim.base_lr) == (3e-4, None)
+    assert peak_lr(given, 2) == peak_lr(given, 1024) == 3e-4
+    default = load_config(write(tmp_path, "name: x\ndata: {train: d}\n"))
+    assert default.optim.lr == 1e-3 and peak_lr(default, 8) == 1e-3
+    with pytest.raises(
+        ConfigError, match=r"optim\.lr \(0\.0003, the peak as given\) and optim\.base_lr \(0\.02"
+    ):
+        load_config(SMOKE, ["optim.lr=3e-4"])
+    with pytest.raises(
+        ConfigError, match=r"optim\.scale_lr: removed: optim\.lr is now the peak .* optim\.base_lr"
+    ):
+        load_config(write(tmp_path, "name: x\ndata: {train: d}\noptim: {lr: 0.1, scale_lr: true}\n"))
+
+
+def test_the_readme_experiment_is_the_vit_h14_config_file_and_valid():
+    """README's "Write an experiment" example is configs/experiments/vit_h14_jft.yaml (after its header
+    comment), and loads: ViT-H/14 at resolutions its 14 px patches divide, big_vision's lr as given."""
+    root = Path(__file__).parents[1]
+    path = root / "configs/experiments/vit_h14_jft.yaml"
+    text = path.read_text()
+    body = text[text.index("name: my_pretraining") :]
+    assert f"```yaml\n{body}```" in (root / "README.md").read_text()
+    exp = dict(load_experiment(path).stages)
+    pretrain, finetune = exp["pretrain"], exp["finetune"]
+    assert (pretrain.model.name, pretrain.model.img_size, finetune.model.img_size) == ("vit_h14", 224, 518)
+    assert (pretrain.deepspeed.zero_stage, pretrain.deepspeed.precision) == (3, "bf16")
+    assert peak_lr(pretrain, 16) == 1e-3 and peak_lr(finetune, 16) == pytest.approx(4e-3)
+    assert pretrain.data.batch_size * 16 == 4096
+    for cfg in (pretrain, finetune):  # builds (shapes only): each size a multiple of the patch
+        with torch.device("meta"):
+            model = create_model(cfg.model.name, img_size=cfg.model.img_size, **cfg.model.overrides)
+        assert model.pos_embed.shape[1] == (cfg.model.img_size // 14) ** 2
 
 
 def test_cross_field_validation(tmp_path):

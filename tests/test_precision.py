@@ -114,7 +114,7 @@ def _config(model: str, objective: str, overrides: dict, precision: str, zero: i
                 "patch_dropout": patch_dropout,
             },
             "objective": obj,
-            "optim": {"lr": 1e-3, "scale_lr": False, "steps": 10, "warmup_steps": 0},
+            "optim": {"lr": 1e-3, "steps": 10, "warmup_steps": 0},
             "deepspeed": {"zero_stage": zero, "precision": precision},
             "cluster": {"launcher": "local"},
         }

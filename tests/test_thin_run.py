@@ -52,7 +52,7 @@ def test_thin_run_on_two_ray_workers(ray_cluster, tmp_path):
         f"run_dir={run_dir}",
         f"data.train={data}",
         f"optim.steps={steps}",
-        "optim.lr=0.05",
+        "optim.base_lr=0.05",
         "cluster.num_workers=2",
         "deepspeed.zero_stage=2",
         "tracking.peak_tflops=0.5",  # a CPU has no entry in the peak table: MFU only with an override

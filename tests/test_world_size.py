@@ -17,7 +17,7 @@ from conftest import history, torchrun, weights
 
 from pipeline.config import load_config
 from pipeline.train import checkpoint
-from pipeline.train.engine import lr_multiplier, scaled_lr
+from pipeline.train.engine import lr_multiplier, peak_lr
 from pipeline.train.loop import keep_global_batch
 
 STAGES = (0, 1, 2, 3)
@@ -86,7 +86,7 @@ def check(out: Path, stage: int, ranks_after: int, accum_after: int) -> None:
     # The learning rate follows the schedule of the uninterrupted run; the loss goes on from where it was.
     lr = dict(history(root / "switch", "train/lr"))
     cfg = load_config("configs/experiments/smoke.yaml", ["optim.steps=8", "optim.warmup_steps=2"])
-    peak = scaled_lr(cfg, 2)  # global batch 32 either way
+    peak = peak_lr(cfg, 2)  # global batch 32 either way
     for step in range(1, 9):
         assert math.isclose(lr[step], peak * lr_multiplier(step, 2, 8, "cosine"), rel_tol=1e-9), step
     loss = dict(history(root / "switch"))

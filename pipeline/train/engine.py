@@ -94,10 +94,13 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def scaled_lr(cfg: StageConfig, world_size: int) -> float:
-    """lr = base_lr * global_batch / 256 (Goyal et al.; MAE and DeiT use it)."""
+def peak_lr(cfg: StageConfig, world_size: int) -> float:
+    """The peak learning rate: optim.lr as given, or optim.base_lr * global_batch / 256 (Goyal et al.;
+    MAE's blr, DeiT)."""
+    if cfg.optim.base_lr is None:
+        return cfg.optim.lr
     global_batch = cfg.data.batch_size * cfg.deepspeed.grad_accum * world_size
-    return cfg.optim.lr * global_batch / 256 if cfg.optim.scale_lr else cfg.optim.lr
+    return cfg.optim.base_lr * global_batch / 256
 
 
 def bucket_elements(num_params: int) -> int:
@@ -152,7 +155,7 @@ def deepspeed_config(cfg: StageConfig, world_size: int, use_gpu: bool, num_param
         "optimizer": {
             "type": "AdamW",
             "params": {
-                "lr": scaled_lr(cfg, world_size),
+                "lr": peak_lr(cfg, world_size),
                 "betas": list(cfg.optim.betas),
                 "weight_decay": cfg.optim.weight_decay,
                 # torch's AdamW everywhere: DeepSpeed's FusedAdam needs a CUDA op build; torch's own
@@ -209,7 +212,7 @@ def build_engine(model: nn.Module, cfg: StageConfig, ctx: DistContext):
             "that can recompute its activations"
         )
     groups = param_groups(model, o.weight_decay, o.layer_decay)
-    base_lr = scaled_lr(cfg, ctx.world_size)
+    base_lr = peak_lr(cfg, ctx.world_size)
     for g in groups:
         g["lr"] = base_lr * g.pop("lr_scale")  # layer-wise decay: the scheduler scales each group's own lr
 

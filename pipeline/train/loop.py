@@ -42,7 +42,7 @@ from pipeline.models.layers import checkpointed_fraction
 from pipeline.objectives import build_objective
 from pipeline.stage import init_weights, model_kwargs, open_stage, output_classes
 from pipeline.train import checkpoint
-from pipeline.train.engine import build_engine, consolidated_state_dict, scaled_lr
+from pipeline.train.engine import build_engine, consolidated_state_dict, peak_lr
 from pipeline.train.export import export_weights
 
 log = logging.getLogger(__name__)
@@ -297,7 +297,7 @@ def train(
     recompute = checkpointed_fraction(engine.module)
     derived = {
         "derived.global_batch": global_batch,
-        "derived.lr": scaled_lr(cfg, ctx.world_size),
+        "derived.lr": peak_lr(cfg, ctx.world_size),
         "derived.num_params": num_params,
         "derived.flops_per_image": flops_img,
         "derived.precision": cfg.deepspeed.precision,
@@ -313,7 +313,7 @@ def train(
             print(
                 f"[{cfg.name}] {cfg.model.name} {num_params / 1e6:.2f}M params | "
                 f"{cfg.objective.name} | world {ctx.world_size} | global batch {global_batch} | "
-                f"lr {scaled_lr(cfg, ctx.world_size):.2e} | ZeRO-{cfg.deepspeed.zero_stage} {cfg.deepspeed.precision} | "
+                f"lr {peak_lr(cfg, ctx.world_size):.2e} | ZeRO-{cfg.deepspeed.zero_stage} {cfg.deepspeed.precision} | "
                 f"steps {start}->{cfg.optim.steps}" + (f" (resumed from {restored.tag})" if restored else ""),
                 flush=True,
             )

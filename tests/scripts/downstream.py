@@ -47,7 +47,7 @@ def main() -> None:
         "model.img_size=32",
         "objective.name=mae",
         "optim.steps=10",
-        "optim.lr=0.05",
+        "optim.base_lr=0.05",
         "deepspeed.zero_stage=2",
     ]
     train(load_config(SMOKE, pretrain))
@@ -59,7 +59,7 @@ def main() -> None:
         "data.min_scale=0.5",
         f"optim.steps={STEPS}",
         "optim.warmup_steps=3",
-        "optim.lr=0.05",
+        "optim.base_lr=0.05",
     ]
     for zero in zero_stages:
         train(

@@ -40,7 +40,7 @@ def main() -> None:
             f"deepspeed.zero_stage={zero}",
             f"optim.steps={steps}",
             "optim.warmup_steps=4",
-            "optim.lr=0.02",
+            "optim.base_lr=0.02",
             "data.min_scale=1.0",
             "tracking.system_metrics=false",
             f"tracking.uri=sqlite:///{out}/mlflow.db",

@@ -2,7 +2,7 @@
 
 torchrun --standalone --nproc-per-node 2 tests/scripts/objectives.py OUT_DIR DATA_DIR RUN...
 RUN is an objective name, optionally followed by extra overrides: NAME[:KEY=VALUE...] (e.g.
-supervised_softmax:optim.lr=1e-9, a run that does not learn). Runs go in order: distill's teacher is
+supervised_softmax:optim.base_lr=1e-9, a run that does not learn). Runs go in order: distill's teacher is
 the supervised_softmax run's export.
 
 The settings are chosen so that every objective's loss falls far past the test's bar (conftest's
@@ -60,7 +60,7 @@ def main() -> None:
             f"objective.name={name}",
             "optim.steps=40",
             "optim.warmup_steps=4",
-            "optim.lr=0.05",
+            "optim.base_lr=0.05",
             "data.min_scale=1.0",
             "tracking.system_metrics=false",
             "deepspeed.zero_stage=2",
