@@ -412,12 +412,17 @@ def test_jpeg_draft_only_where_the_crop_keeps_the_target_resolution():
 
 
 # A rank that got SIGTERM (to its whole process group, as launchers send it) keeps reading batches until it has
-# checkpointed; a process whose loader is left running after an error still exits.
+# checkpointed; a process whose loader is left running after an error still exits, also while a worker is
+# still starting (it hung forever: `pipeline.data.loader._stop_live_workers`).
 _SIGNALS_SCRIPT = """
-import os, signal, sys
+import os, signal, sys, time
 from pipeline.config import DataConfig
+from pipeline.data import loader as loader_module
 from pipeline.data.loader import make_train_loader
 from pipeline.data.sources import dataset_info
+if sys.argv[2] == "error-while-a-worker-starts":  # worker 1 still starting, SIGTERM blocked, when the rank exits
+    start = loader_module._own_process_group
+    loader_module._own_process_group = lambda worker_id: (worker_id == 1 and time.sleep(3), start(worker_id))
 info = dataset_info(sys.argv[1], "train")
 loader = make_train_loader(info, DataConfig(train=sys.argv[1], batch_size=4, num_workers=2), rank=0, world_size=1,
                            img_size=16, seed=0)
@@ -436,7 +441,9 @@ else:
 """
 
 
-@pytest.mark.parametrize("case", ["group-sigterm", "group-sigterm-at-start", "error"])
+@pytest.mark.parametrize(
+    "case", ["group-sigterm", "group-sigterm-at-start", "error", "error-while-a-worker-starts"]
+)
 def test_loader_workers_outlive_a_group_sigterm_and_never_hold_an_exiting_process(even, tmp_path, case):
     script = tmp_path / "signals.py"
     script.write_text(_SIGNALS_SCRIPT)

@@ -22,8 +22,10 @@ augmentation and skip budget; the call gives what differs per rank and per run.
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
+import weakref
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
@@ -50,6 +52,28 @@ def _own_process_group(worker_id: int) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
+# The worker iterators of this process's loaders that may still run, for `_stop_live_workers` at exit.
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def _stop_live_workers() -> None:
+    """At interpreter exit, stop every loader's workers still running (a stage that failed with its loader
+    open): each is sent its stop message and joined, as when an iterator is deleted.
+
+    Without this, multiprocessing's own exit handler ends them with SIGTERM and then joins them without a
+    timeout; a worker still starting has SIGTERM blocked (`_Loader`) and then discards it as a group-wide
+    one (`_own_process_group`), so it lived on and the exiting process waited for it forever (seen under a
+    loaded CI). torch's iterator skips this clean-up once the interpreter is exiting, so it runs first:
+    registered after torch's and multiprocessing's exit handlers (imported above), it is called before them.
+    A worker that reads its stop message after it has started exits on its own, whatever became of SIGTERM.
+    """
+    for iterator in list(_LIVE):
+        iterator._shutdown_workers()
+
+
+atexit.register(_stop_live_workers)
+
+
 class _Loader(DataLoader):
     """A DataLoader whose workers start with SIGTERM blocked, until they have left the rank's process group
     (`_own_process_group`): a group-wide SIGTERM while a worker was still starting killed it, and the rank
@@ -61,7 +85,9 @@ class _Loader(DataLoader):
         # Per thread (Ray Train's loop thread too); forked workers inherit this thread's mask.
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         try:
-            return super().__iter__()
+            iterator = super().__iter__()
+            _LIVE.add(iterator)
+            return iterator
         finally:  # a SIGTERM to the rank meanwhile is delivered here, to its own handler
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
