@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.config import input_problems, load_experiment
+from pipeline.config import input_problems, load_experiment, raw_config, written_relative
 
 # Ray's limit on a job's uploaded working directory (ray issue 45602: .git is not excluded by default).
 UPLOAD_LIMIT_BYTES = 100 * 1024**2
@@ -30,6 +30,7 @@ EXCLUDES = [
     "data",
     "runs",
     "mlruns",
+    "mlartifacts",
     "*.db",
     "__pycache__",
     ".pytest_cache",
@@ -80,6 +81,35 @@ def check_upload(root: Path, limit: int = UPLOAD_LIMIT_BYTES) -> int:
     return total
 
 
+def check_paths_written(config: str, overrides: list[str]) -> None:
+    """Refuse a run folder or SQLite store given by a relative path (the default `run_dir: runs/{name}`
+    too): the job loads the config in Ray's temporary copy of the working directory, so the path would
+    resolve there, on one node, deleted with the job (the job's pre-flight refuses it, after the upload)."""
+    relative = written_relative(raw_config(config, overrides))
+    if relative:
+        named = ", ".join(f"{key} {value!r}" for key, value in relative)
+        raise SubmitError(
+            f"{config}: {named} is a relative path: the job would resolve it inside its temporary copy of "
+            "the working directory on the head node. Give an absolute path the nodes share, e.g. "
+            "run_dir=/shared/runs/{name} (plus storage=s3://BUCKET/runs/{name} where the nodes share no "
+            "disk), and an absolute or server tracking.uri"
+        )
+
+
+def check_token() -> None:
+    """With token authentication (the default), refuse before anything is uploaded when no token is here:
+    RAY_AUTH_TOKEN, the file RAY_AUTH_TOKEN_PATH names, or ~/.ray/auth_token."""
+    if os.environ.get("RAY_AUTH_MODE", "token") != "token" or os.environ.get("RAY_AUTH_TOKEN"):
+        return
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    if not (path.is_file() and path.read_text().strip()):
+        raise SubmitError(
+            f"no Ray auth token: {path} is missing or empty and RAY_AUTH_TOKEN is not set. Copy the cluster's "
+            "token (~/.ray/auth_token on its head node) to ~/.ray/auth_token here (chmod 600), or point "
+            "RAY_AUTH_TOKEN_PATH at it"
+        )
+
+
 def client(address: str | None):
     # Imported here: Ray takes seconds to import, and every vitpipe command imports this module.
     from ray.job_submission import JobSubmissionClient
@@ -100,8 +130,11 @@ def submit(
     env: dict[str, str] | None = None,
     root: Path | None = None,
 ) -> str:
-    """Validate the config here (fail before upload), check the upload size, submit; returns the id."""
+    """Validate the config here (fail before upload: its schema, relative run folders, the token, the upload
+    size), submit; returns the id."""
     exp = load_experiment(config, overrides)  # a typo fails here, not after an upload
+    check_paths_written(config, overrides)
+    check_token()
     for problem in input_problems(exp):  # a warning: the data may live on the cluster, which checks again
         print(f"warning: {problem} (here; the job stops at start if the cluster lacks it)", file=sys.stderr)
     root = (root or Path.cwd()).resolve()

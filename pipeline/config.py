@@ -827,6 +827,25 @@ def validate_config(raw: dict, source: str = "<config>") -> StageConfig:
         raise ConfigError(_describe(err, source, StageConfig)) from None
 
 
+def raw_config(path: str | os.PathLike, overrides: list[str] | None = None) -> dict:
+    """A config file as written: its `base:` presets merged under it and the overrides applied, nothing
+    validated or resolved (relative paths stay relative). For checks of what the user wrote."""
+    path = Path(path)
+    raw = _with_bases(_read_yaml(path), path, seen=(path.resolve(),))
+    return apply_overrides(raw, list(overrides or []))
+
+
+def written_relative(raw: dict) -> list[tuple[str, str]]:
+    """(setting, value) of the run folder and SQLite store a raw config (`raw_config`) names by a relative
+    path, the default `runs/{name}` included: they resolve against the directory the config is loaded in."""
+    run_dir = raw.get("run_dir")
+    found = [] if run_dir is not None and os.path.isabs(run_dir) else [("run_dir", run_dir or "runs/{name}")]
+    uri = (raw.get("tracking") or {}).get("uri")
+    if isinstance(uri, str) and uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        found.append(("tracking.uri", uri))
+    return found
+
+
 def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> StageConfig:
     """Read a one-stage YAML file (and its `base:` presets), apply dotted overrides, validate, check the
     model. Relative paths resolve against the CWD."""

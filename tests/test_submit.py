@@ -43,6 +43,44 @@ def test_a_bad_config_fails_before_any_upload(tmp_path, monkeypatch):
     assert submit.submission_id("demo").startswith("demo-")
 
 
+def test_a_relative_run_dir_or_store_and_a_missing_token_are_refused_before_any_upload(tmp_path, monkeypatch):
+    """A relative run_dir (the default runs/{name} too) or SQLite path would resolve inside the job's copy of
+    the working directory; no token means the Jobs API refuses the upload. Both fail here, naming what to
+    write, before the cluster is contacted."""
+
+    def no_client(address):
+        raise AssertionError("contacted the cluster")
+
+    monkeypatch.setattr(submit, "client", no_client)
+    root = Path(__file__).parents[1]
+    two_stage = str(root / "configs/experiments/two_stage_tiny.yaml")  # no run_dir: the default
+    with pytest.raises(submit.SubmitError, match=r"run_dir 'runs/\{name\}' is a relative path.*/shared/runs"):
+        submit.submit(two_stage, [], None, root=root)
+    for overrides in (["run_dir=runs/mine"], [f"run_dir={tmp_path}", "tracking.uri=sqlite:///runs/m.db"]):
+        with pytest.raises(submit.SubmitError, match="is a relative path"):
+            submit.check_paths_written(two_stage, overrides)
+    for fine in ([f"run_dir={tmp_path}"], [f"run_dir={tmp_path}", f"tracking.uri=sqlite:///{tmp_path}/m.db"]):
+        submit.check_paths_written(two_stage, fine)
+    submit.check_paths_written(two_stage, [f"run_dir={tmp_path}", "tracking.uri=http://127.0.0.1:5000"])
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    with pytest.raises(
+        submit.SubmitError, match=rf"no Ray auth token: {tmp_path}/.ray/auth_token is missing"
+    ):
+        submit.submit(two_stage, [f"run_dir={tmp_path}"], None, root=root)
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("secret\n")
+    submit.check_token()
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "elsewhere"))
+    with pytest.raises(submit.SubmitError, match="elsewhere is missing or empty"):
+        submit.check_token()
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "secret")
+    submit.check_token()
+
+
 def test_a_run_dir_inside_the_jobs_working_directory_copy_is_refused(tmp_path, monkeypatch):
     """Inside `ray job submit --working-dir`, the driver runs in Ray's temporary copy of the project: a
     relative run_dir would land there, deleted with the job and on no other node. Refused, with the path."""
