@@ -849,10 +849,7 @@ def written_relative(raw: dict) -> list[tuple[str, str]]:
 def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> StageConfig:
     """Read a one-stage YAML file (and its `base:` presets), apply dotted overrides, validate, check the
     model. Relative paths resolve against the CWD."""
-    path = Path(path)
-    raw = _read_yaml(path)
-    raw = _with_bases(raw, path, seen=(path.resolve(),))
-    raw = apply_overrides(raw, list(overrides or []))
+    raw = raw_config(path, overrides)
     return _checked(validate_config(raw, source=str(path)), source=str(path))
 
 
