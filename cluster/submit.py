@@ -87,12 +87,16 @@ def check_paths_written(config: str, overrides: list[str]) -> None:
     resolve there, on one node, deleted with the job (the job's pre-flight refuses it, after the upload)."""
     relative = written_relative(raw_config(config, overrides))
     if relative:
-        named = ", ".join(f"{key} {value!r}" for key, value in relative)
+        named = " and ".join(f"{key} {value!r}" for key, value in relative)
+        advice = {
+            "run_dir": "run_dir=/shared/runs/{name} (plus storage=s3://BUCKET/runs/{name} where the nodes "
+            "share no disk)",
+            "tracking.uri": "an MLflow server (tracking.uri=http://HOST:5000) or an absolute path",
+        }
         raise SubmitError(
-            f"{config}: {named} is a relative path: the job would resolve it inside its temporary copy of "
-            "the working directory on the head node. Give an absolute path the nodes share, e.g. "
-            "run_dir=/shared/runs/{name} (plus storage=s3://BUCKET/runs/{name} where the nodes share no "
-            "disk), and an absolute or server tracking.uri"
+            f"{config}: {named} {'is a relative path' if len(relative) == 1 else 'are relative paths'}: "
+            "the job would resolve it inside its temporary copy of the working directory on the head node. "
+            f"Give {'; and '.join(advice[key] for key, _ in relative)}"
         )
 
 

@@ -345,8 +345,8 @@ class OptimConfig(_Section):
         if self.lr is not None and self.base_lr is not None:
             raise ValueError(
                 f"optim.lr ({self.lr:g}, the peak as given) and optim.base_lr ({self.base_lr:g}, scaled by "
-                "global_batch / 256) are both set: keep one (to override one that a file sets with the "
-                "other, also set the other to null, e.g. optim.lr=3e-4 optim.base_lr=null)"
+                "global_batch / 256) are both set in one place: keep one (a preset, a stage's own section or "
+                "an override that sets one replaces the other)"
             )
         return self
 
@@ -671,6 +671,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.split("."), yaml.safe_load(value) if value != "" else ""
 
 
+# Two ways to give one setting: a layer (a preset, the file, a stage's own section, an override) that sets
+# one of them replaces the other from the layers under it; one layer that sets both is an error.
+_ONE_OF = {("optim", "lr"): "base_lr", ("optim", "base_lr"): "lr"}
+
+
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     for text in overrides:
         path, value = parse_override(text)
@@ -683,6 +688,9 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
                 )
             node = child
         node[path[-1]] = value
+        other = _ONE_OF.get(tuple(path[-2:]))
+        if other is not None and value is not None:
+            node.pop(other, None)
     return raw
 
 
@@ -794,6 +802,10 @@ def _read_yaml(path: Path) -> dict:
 
 def _deep_merge(base: dict, top: dict) -> dict:
     out = dict(base)
+    if isinstance(out.get("optim"), dict) and isinstance(top.get("optim"), dict):
+        given = [k for (_, k) in _ONE_OF if top["optim"].get(k) is not None]
+        if len(given) == 1:  # the top layer's choice replaces the other way from below
+            out["optim"] = {k: v for k, v in out["optim"].items() if k != _ONE_OF[("optim", given[0])]}
     for k, v in top.items():
         out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
@@ -841,8 +853,16 @@ def written_relative(raw: dict) -> list[tuple[str, str]]:
     run_dir = raw.get("run_dir")
     found = [] if run_dir is not None and os.path.isabs(run_dir) else [("run_dir", run_dir or "runs/{name}")]
     uri = (raw.get("tracking") or {}).get("uri")
-    if isinstance(uri, str) and uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-        found.append(("tracking.uri", uri))
+    if isinstance(uri, str):
+        if uri.startswith("sqlite:///"):
+            path = uri.removeprefix("sqlite:///")  # sqlite:////abs/m.db is absolute
+            relative = not path.startswith("/")
+        else:  # an MLflow file store: a path, or file:PATH (not a server URI, nor databricks)
+            path = uri.removeprefix("file://").removeprefix("file:")
+            relative = ":" not in uri.removeprefix("file:") and not uri.startswith("databricks")
+            relative = relative and not os.path.isabs(path)
+        if relative:
+            found.append(("tracking.uri", uri))
     return found
 
 

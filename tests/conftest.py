@@ -146,8 +146,23 @@ def vitpipe_shard(*args, env=None, expect=0) -> subprocess.CompletedProcess:
     return proc
 
 
+_CURRENT: list[pytest.Item] = []  # the test running in this process (`_current_test`)
+
+
+@pytest.fixture(autouse=True)
+def _current_test(request):
+    _CURRENT[:] = [request.node]
+    yield
+    _CURRENT.clear()
+
+
 def torchrun(*args: str, nproc: int = 2, timeout: int = 900) -> subprocess.CompletedProcess:
-    """A test script under torchrun on `nproc` gloo ranks (one intra-op thread each), from the repository root."""
+    """A test script under torchrun on `nproc` gloo ranks (one intra-op thread each), from the repository root.
+    The calling test must not be in the fast tier (mark it `dist`): `make test-fast` runs no launches."""
+    if _CURRENT and scheduling.in_fast_tier(_CURRENT[0]):
+        raise AssertionError(
+            f"{_CURRENT[0].nodeid} launches torchrun: mark it `dist` (make test-fast skips those)"
+        )
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

@@ -110,6 +110,13 @@ def order_and_group(items: list[pytest.Item]) -> None:
     items[:] = [items[i] for i in order]
 
 
+def in_fast_tier(item: pytest.Item) -> bool:
+    """Whether `make test-fast` (`-m "unit and not slow and not dist and not ray"`) runs this test."""
+    return bool(item.get_closest_marker("unit")) and not any(
+        item.get_closest_marker(m) for m in ("slow", "dist", "ray")
+    )
+
+
 def check_tiers(items: list[pytest.Item]) -> None:
     """`make test-fast` selects by marker (`unit and not slow and not dist and not ray`): a test that starts
     or joins a local Ray cluster must say so with the `ray` marker, or the fast tier would wait on clusters."""

@@ -87,10 +87,23 @@ def test_lr_is_the_peak_as_given_and_base_lr_scales_with_the_global_batch(tmp_pa
     assert peak_lr(given, 2) == peak_lr(given, 1024) == 3e-4
     default = load_config(write(tmp_path, "name: x\ndata: {train: d}\n"))
     assert default.optim.lr == 1e-3 and peak_lr(default, 8) == 1e-3
+    # A more specific layer's choice replaces the other way: an override, a stage's own section.
+    override = load_config(SMOKE, ["optim.lr=3e-4"])
+    assert (override.optim.lr, override.optim.base_lr) == (3e-4, None)
+    exp = write(
+        tmp_path,
+        "name: e\ndefaults: {data: {train: d}, optim: {base_lr: 0.1}}\n"
+        "stages:\n  a: {}\n  b: {optim: {lr: 0.001}}\n",
+    )
+    stages = dict(load_experiment(exp, ["stages.a.optim.steps=30"]).stages)
+    assert (stages["a"].optim.base_lr, stages["a"].optim.lr, stages["b"].optim.lr) == (0.1, None, 0.001)
+    assert stages["b"].optim.base_lr is None
+    assert dict(load_experiment(exp, ["stages.a.optim.lr=0.5"]).stages)["a"].optim.lr == 0.5
+    both = write(tmp_path, "name: x\ndata: {train: d}\noptim: {lr: 3.0e-4, base_lr: 0.02}\n")
     with pytest.raises(
         ConfigError, match=r"optim\.lr \(0\.0003, the peak as given\) and optim\.base_lr \(0\.02"
     ):
-        load_config(SMOKE, ["optim.lr=3e-4"])
+        load_config(both)
     with pytest.raises(
         ConfigError, match=r"optim\.scale_lr: removed: optim\.lr is now the peak .* optim\.base_lr"
     ):

@@ -62,6 +62,15 @@ def test_a_relative_run_dir_or_store_and_a_missing_token_are_refused_before_any_
     for fine in ([f"run_dir={tmp_path}"], [f"run_dir={tmp_path}", f"tracking.uri=sqlite:///{tmp_path}/m.db"]):
         submit.check_paths_written(two_stage, fine)
     submit.check_paths_written(two_stage, [f"run_dir={tmp_path}", "tracking.uri=http://127.0.0.1:5000"])
+    for store in ("mlruns", "./mlruns", "file:mlruns"):  # MLflow file stores by a relative path
+        with pytest.raises(submit.SubmitError, match=rf"tracking.uri '{store}' is a relative path"):
+            submit.check_paths_written(two_stage, [f"run_dir={tmp_path}", f"tracking.uri={store}"])
+    for store in (f"file://{tmp_path}/mlruns", "databricks", "postgresql://db:5432/mlflow"):
+        submit.check_paths_written(two_stage, [f"run_dir={tmp_path}", f"tracking.uri={store}"])
+    with pytest.raises(
+        submit.SubmitError, match="run_dir 'r' and tracking.uri 'sqlite:///m.db' are relative"
+    ):
+        submit.check_paths_written(two_stage, ["run_dir=r", "tracking.uri=sqlite:///m.db"])
 
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)

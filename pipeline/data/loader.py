@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import os
 import signal
+import sys
 import weakref
 
 import torch
@@ -68,10 +69,15 @@ def _stop_live_workers() -> None:
     A worker that reads its stop message after it has started exits on its own, whatever became of SIGTERM.
     """
     for iterator in list(_LIVE):
-        iterator._shutdown_workers()
+        try:
+            iterator._shutdown_workers()
+        except Exception as exc:  # the others still get theirs
+            print(f"loader: stopping workers at exit failed: {exc!r}", file=sys.stderr)
 
 
 atexit.register(_stop_live_workers)
+# A process forked from this one does not own these workers (loader workers leave through os._exit).
+os.register_at_fork(after_in_child=_LIVE.clear)
 
 
 class _Loader(DataLoader):

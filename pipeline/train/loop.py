@@ -163,7 +163,7 @@ def keep_global_batch(cfg: StageConfig, saved: dict | None, world_size: int) -> 
     """The config to run on `world_size` ranks with: the global batch (micro-batch x grad_accum x ranks) stays
     that of the checkpoint resumed from when it was saved by another number of ranks, or when the stage is
     elastic (`cluster.num_workers: [MIN, MAX]`: then it starts as micro-batch x grad_accum x MAX), and
-    grad_accum adjusts; the learning rate, scaled by the global batch, stays with it."""
+    grad_accum adjusts; the learning rate, set for the global batch, stays with it."""
     micro, c = cfg.data.batch_size, cfg.cluster
     if saved is not None and (saved["world_size"] != world_size or c.elastic):
         target = saved.get("global_batch") or micro * cfg.deepspeed.grad_accum * saved["world_size"]
