@@ -129,6 +129,8 @@ def run_stage(cfg: StageConfig, parent_run_id: str | None = None):
     """
     prepare_data(cfg)
     connect(cfg.cluster.address)
+    # cluster.use_gpu: auto -> GPU workers when the cluster has GPUs (the driver's own node may have none)
+    cfg = cfg.on_device(ray.cluster_resources().get("GPU", 0) >= 1)
     check_nodes_see(cfg)  # a run_dir or dataset one node lacks: refused now, not after max_failures retries
     for key, value in RAY_TRAIN_LOG_ENV.items():
         os.environ.setdefault(key, value)  # read by TorchTrainer.fit() and passed on to its actors

@@ -355,7 +355,8 @@ class DeepSpeedConfig(_Section):
     zero_stage: Literal[0, 1, 2, 3] = Field(2, description="ZeRO stage.")
     precision: Literal["fp32", "bf16", "fp16"] | None = Field(
         None,
-        description="Training precision; null means bf16 with cluster.use_gpu and fp32 on CPU. Under bf16 "
+        description="Training precision; null means bf16 on GPUs and fp32 on CPU (with cluster.use_gpu: "
+        "auto, decided when the stage starts). Under bf16 "
         "gradients are reduced across ranks in fp32 (DeepSpeed's communication_data_type). fp16 is refused "
         "(see the error it gives).",
     )
@@ -393,7 +394,12 @@ class ClusterConfig(_Section):
         "Train starts it on as many as fit and restarts it on the workers left after a node is lost, from "
         "the newest checkpoint resharded (the global batch stays micro-batch x grad_accum x MAX).",
     )
-    use_gpu: bool = Field(False, description="One GPU per worker, NCCL backend; else CPU and gloo.")
+    use_gpu: bool | Literal["auto"] = Field(
+        "auto",
+        description="true: one GPU per worker, NCCL backend; false: CPU and gloo. `auto`: GPUs when there "
+        "are some, decided where the stage starts: by the Ray launcher from the cluster's GPU resources, "
+        "by the local launcher (and each torchrun rank) from torch.cuda.is_available().",
+    )
     cpus_per_worker: float = Field(1.0, gt=0.0, description="CPUs reserved per worker.")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="Ray placement group strategy."
@@ -556,10 +562,10 @@ class StageConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> StageConfig:
-        if self.deepspeed.precision is None:
+        if self.deepspeed.precision is None and self.cluster.use_gpu != "auto":
             self.deepspeed.precision = "bf16" if self.cluster.use_gpu else "fp32"
         if self.data.decode == "cuda":
-            if not self.cluster.use_gpu:
+            if self.cluster.use_gpu is False:
                 raise ValueError("data.decode: cuda decodes on the GPU, so it needs cluster.use_gpu: true")
             if self.data.randaugment is not None:
                 raise ValueError("data.decode: cuda has no RandAugment (a PIL op): set data.decode: cpu")
@@ -658,6 +664,17 @@ class StageConfig(_Section):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    def on_device(self, gpu: bool) -> StageConfig:
+        """This config with `cluster.use_gpu: auto` decided (`gpu`: CUDA present in this process, or GPUs in
+        the Ray cluster) and a null precision resolved with it; a config that sets use_gpu is returned
+        as it is. Raises ConfigError where the decision breaks a rule (data.decode: cuda without GPUs)."""
+        if self.cluster.use_gpu != "auto":
+            return self
+        data = self.model_dump(mode="json")
+        data["cluster"]["use_gpu"] = bool(gpu)
+        found = "found GPUs" if gpu else "found no GPU"
+        return validate_config(data, source=f"{self.name} (cluster.use_gpu: auto {found} where the stage starts)")
 
 
 # ---------------------------------------------------------------- reading and validating

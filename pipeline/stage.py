@@ -110,7 +110,9 @@ class Stage:
 
 
 def open_stage(cfg: StageConfig) -> Stage:
-    """Every rank: join the process group the launcher described, seed, and (rank 0) save the config."""
+    """Every rank: join the process group the launcher described, seed, and (rank 0) save the config.
+    The Stage's config has `cluster.use_gpu: auto` decided (from this process's CUDA): read it, not `cfg`."""
+    cfg = cfg.on_device(torch.cuda.is_available())
     ctx = init_distributed(cfg.cluster.use_gpu)
     seed_everything(cfg.seed)
     if ctx.is_main:

@@ -241,7 +241,7 @@ def test_patch_dropout_config_errors_name_the_setting(tmp_path):
 
 
 def test_precision_defaults_to_bf16_on_gpu_and_fp32_on_cpu():
-    assert validate_config(_stage()).deepspeed.precision == "fp32"
+    assert validate_config(_stage(cluster={"use_gpu": False})).deepspeed.precision == "fp32"
     gpu = validate_config(_stage(cluster={"use_gpu": True}))
     assert gpu.deepspeed.precision == "bf16" and gpu.deepspeed.tf32
     assert (
@@ -253,9 +253,30 @@ def test_precision_defaults_to_bf16_on_gpu_and_fp32_on_cpu():
     assert validate_config(_stage()).tracking.log_every == 20
 
 
+def test_use_gpu_auto_is_decided_where_the_stage_starts_with_the_precision():
+    auto = validate_config(_stage())
+    assert auto.cluster.use_gpu == "auto" and auto.deepspeed.precision is None  # not decided at load
+    cpu, gpu = auto.on_device(False), auto.on_device(True)
+    assert (cpu.cluster.use_gpu, cpu.deepspeed.precision) == (False, "fp32")
+    assert (gpu.cluster.use_gpu, gpu.deepspeed.precision) == (True, "bf16")
+    assert auto.on_device(True).model_dump(exclude={"cluster", "deepspeed"}) == auto.model_dump(
+        exclude={"cluster", "deepspeed"}
+    )
+    # A precision the user set stays; a use_gpu the user set is never overridden.
+    fp32 = validate_config(_stage(deepspeed={"precision": "fp32"})).on_device(True)
+    assert (fp32.cluster.use_gpu, fp32.deepspeed.precision) == (True, "fp32")
+    forced = validate_config(_stage(cluster={"use_gpu": False}))
+    assert forced.on_device(True) is forced
+
+
 def test_cuda_decode_needs_a_gpu_and_no_randaugment():
     with pytest.raises(ConfigError, match="data.decode: cuda .* cluster.use_gpu"):
-        validate_config(_stage(data={"train": "/x", "decode": "cuda"}))
+        validate_config(_stage(data={"train": "/x", "decode": "cuda"}, cluster={"use_gpu": False}))
+    # auto: refused where the stage starts without a GPU, with the setting named
+    auto = validate_config(_stage(data={"train": "/x", "decode": "cuda"}))
+    with pytest.raises(ConfigError, match=r"(?s)use_gpu: auto found no GPU.*data.decode: cuda"):
+        auto.on_device(False)
+    assert auto.on_device(True).data.decode == "cuda"
     with pytest.raises(ConfigError, match="RandAugment"):
         validate_config(
             _stage(data={"train": "/x", "decode": "cuda", "randaugment": [2, 9]}, cluster={"use_gpu": True})
@@ -557,6 +578,10 @@ BENCH = Path(__file__).parents[1] / "bench/gpu.py"
 
 
 def _gpu_bench():
+    # As a script sees it: bench/ on the path (its `from provenance import ...`), not only when another
+    # test module put it there first.
+    if str(BENCH.parent) not in sys.path:
+        sys.path.insert(0, str(BENCH.parent))
     spec = importlib.util.spec_from_file_location("bench_gpu", BENCH)
     module = importlib.util.module_from_spec(spec)
     sys.modules["bench_gpu"] = module  # dataclasses look their module up there

@@ -73,6 +73,8 @@ def test_thin_run_on_two_ray_workers(ray_cluster, tmp_path):
     # activation checkpointing; the loader wait is a fraction of the step time.
     metrics = run.data.metrics
     assert params["derived.peak_tflops_per_device"] == "0.5" and params["derived.precision"] == "fp32"
+    # cluster.use_gpu: auto (the default) was decided where the ranks started: no CUDA here, so CPU
+    assert params["cluster.use_gpu"] == "False" and params["deepspeed.precision"] == "fp32"
     assert metrics["perf/mfu"] == pytest.approx(metrics["perf/tflops_per_device"] / 0.5)
     assert metrics["perf/hfu"] == pytest.approx(metrics["perf/mfu"])
     assert 0.0 <= metrics["data/wait_fraction"] <= 1.0

@@ -262,7 +262,7 @@ def evaluate(
         raise ValueError(f"{cfg.name}: an eval stage needs model.init_from")
     # -- distributed set-up, seeds, RUN_DIR/config.yaml
     stage = open_stage(cfg)
-    ctx, e = stage.ctx, cfg.eval
+    cfg, ctx, e = stage.cfg, stage.ctx, stage.cfg.eval
     batch_size = e.batch_size or cfg.data.batch_size
 
     # -- model

@@ -11,6 +11,7 @@ import socket
 import sys
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 
 from data_prep.layout import has_dataset, read_manifest
@@ -105,6 +106,7 @@ def _single_process_group() -> None:
 
 def launch_local(cfg: StageConfig) -> StageResult | dict[str, float]:
     """One process, or one rank of a torchrun job (torchrun sets RANK/WORLD_SIZE/MASTER_*)."""
+    cfg = cfg.on_device(torch.cuda.is_available())  # cluster.use_gpu: auto
     if "WORLD_SIZE" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))

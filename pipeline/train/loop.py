@@ -213,7 +213,7 @@ def train(
 ) -> StageResult:
     # -- distributed set-up, seeds, RUN_DIR/config.yaml
     stage = open_stage(cfg)
-    ctx, run_path = stage.ctx, stage.run_path
+    cfg, ctx, run_path = stage.cfg, stage.ctx, stage.run_path
     ckpt_dir = run_path / "checkpoints"
 
     # -- model and objective
