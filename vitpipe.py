@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 
@@ -42,6 +43,46 @@ def _run(args: argparse.Namespace) -> int:
     return run_experiment(exp)
 
 
+def _shard_as_job(args: argparse.Namespace, argv: list[str]) -> int | None:
+    """`vitpipe shard ... --ray` with a Jobs API address (http://HEAD:8265, as `vitpipe submit` takes it):
+    submit the same command as a Ray job and stream its log; None when it runs here."""
+    from cluster.submit import follow, is_jobs_api, submit_shard
+
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    if not (getattr(args, "ray", False) and is_jobs_api(address)):
+        return None
+    rest, skip = [], False
+    for arg in argv:  # the command line without the options that only say where it runs
+        if skip:
+            skip = False
+        elif arg in ("--address", "--python"):
+            skip = True
+        elif not arg.startswith(("--address=", "--python=")):
+            rest.append(arg)
+    outputs = {"OUT": args.out, "--scratch": args.scratch}
+    named = {
+        "DIR": "dir",
+        "FILE": "file",
+        "--labels": "labels",
+        "--classes": "classes",
+        "--box-classes": "box_classes",
+    }
+    inputs = {k: getattr(args, a, None) for k, a in named.items()}
+    inputs = {
+        k: v
+        for k, v in inputs.items()
+        if v and (k not in ("--classes", "--box-classes") or os.path.isfile(v))
+    }
+    sid = submit_shard(rest, outputs, inputs, address, args.python)
+    print(
+        f"submitted {sid} to {address}\n  logs: vitpipe logs {sid} --follow\n  stop: vitpipe stop {sid}",
+        flush=True,
+    )
+    status = follow(sid, address)
+    print(f"job {sid}: {status}")
+    return 0 if status == "SUCCEEDED" else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     from cluster.cli import add_cluster_parsers
     from data_prep.cli import add_shard_parser
@@ -66,8 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.config import ConfigError
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "shard" and args.source != "verify":
+            as_job = _shard_as_job(args, argv)
+            if as_job is not None:
+                return as_job
         return int(args.func(args) or 0)
     except (ConfigError, DatasetError, SubmitError) as exc:
         print(f"vitpipe {args.command}: {exc}", file=sys.stderr)

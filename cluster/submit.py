@@ -162,23 +162,80 @@ def submit(
         "RAY_JOB_STOP_WAIT_TIME_S": str(STOP_WAIT_S),
         **(env or {}),
     }
-    entrypoint = " ".join(shlex.quote(a) for a in [python, "-m", "cluster.run", rel_config, *overrides])
-    sid = submission_id(exp.name)
+    entrypoint = [python, "-m", "cluster.run", rel_config, *overrides]
+    return submit_job(
+        entrypoint, exp.name, address, root, env_vars, {"experiment": exp.name, "config": rel_config}
+    )
+
+
+def submit_job(
+    entrypoint: list[str],
+    name: str,
+    address: str | None,
+    root: Path,
+    env_vars: dict[str, str],
+    metadata: dict[str, str],
+) -> str:
+    """Upload `root` (the checked working directory) and start `entrypoint` in it as a job named
+    NAME-YYYYmmdd-HHMMSS; returns the id."""
+    sid = submission_id(name)
     c = client(address)
     deadline = time.time() + 300
     while True:
         try:
             c.submit_job(
-                entrypoint=entrypoint,
+                entrypoint=shlex.join(entrypoint),
                 submission_id=sid,
                 runtime_env={"working_dir": str(root), "excludes": EXCLUDES, "env_vars": env_vars},
-                metadata={"experiment": exp.name, "config": rel_config},
+                metadata=metadata,
             )
             return sid
         except RuntimeError as exc:  # a cluster that just started has no job agent for a few seconds
             if "No available agent" not in str(exc) or time.time() > deadline:
                 raise
             time.sleep(2)
+
+
+def is_jobs_api(address: str | None) -> bool:
+    """An address of the Jobs API (the dashboard, http://HEAD:8265), as `vitpipe submit` takes it; a GCS
+    address (HOST:6379, ray://...) is one `ray.init` joins."""
+    return bool(address) and address.startswith(("http://", "https://"))
+
+
+def _not_uploaded(path: str, root: Path) -> bool:
+    """A relative local path the job would not find in its copy of `root` (outside it, or left out)."""
+    rel = Path(os.path.normpath(path))
+    return rel.parts[:1] == ("..",) or _excluded(rel) or not (root / rel).exists()
+
+
+def submit_shard(
+    argv: list[str], outputs: dict[str, str | None], inputs: dict[str, str | None], address: str, python: str
+) -> str:
+    """`vitpipe shard ... --ray` against a Jobs API address: the same command runs as a job, whose driver
+    is on the cluster with its Ray tasks; returns the id. `argv`: the command line after `vitpipe`, without
+    --address and --python. The job resolves relative paths inside its temporary copy of this directory,
+    so `outputs` (setting -> path) are refused when relative, and `inputs` when relative and not uploaded."""
+    root = Path.cwd().resolve()
+    local = {k: v for k, v in {**outputs, **inputs}.items() if v and "://" not in v and not os.path.isabs(v)}
+    lost = [f"{k} {v!r}" for k, v in local.items() if k in outputs]
+    missing = [f"{k} {v!r}" for k, v in local.items() if k in inputs and _not_uploaded(v, root)]
+    if lost or missing:
+        why = (
+            [f"{', '.join(lost)}: relative, so it would be written inside the job's temporary copy"]
+            if lost
+            else []
+        )
+        why += (
+            [f"{', '.join(missing)}: relative and not uploaded with the working directory"] if missing else []
+        )
+        raise SubmitError(
+            "; ".join(why) + ". The job runs on the cluster: give object storage (s3://BUCKET/...) or a "
+            "path every node sees (/shared/...)"
+        )
+    check_token()
+    check_upload(root)
+    entrypoint = [python, "-m", "vitpipe", *argv]
+    return submit_job(entrypoint, "shard", address, root, {"PYTHONUNBUFFERED": "1"}, {"command": "shard"})
 
 
 async def _tail(c, sid: str) -> None:

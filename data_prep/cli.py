@@ -15,6 +15,7 @@ are kept, the rest are written; the result is the same bytes as one uninterrupte
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shlex
 import sys
@@ -115,7 +116,20 @@ def _common_options() -> argparse.ArgumentParser:
         "--workers", type=_positive, default=default_workers(), help="worker processes (default: all cores)"
     )
     g.add_argument(
-        "--ray", action="store_true", help="one Ray task per shard on the current cluster (RAY_ADDRESS)"
+        "--ray", action="store_true", help="one Ray task per shard on the cluster at --address (RAY_ADDRESS)"
+    )
+    g.add_argument(
+        "--address",
+        default=None,
+        help="with --ray: the cluster, in the forms `vitpipe submit` takes: its Jobs API "
+        "(http://HEAD:8265; the command then runs there as a Ray job, its log streamed here), or its GCS "
+        "(HEAD:6379) to drive the tasks from here (default $RAY_ADDRESS, else a cluster started on this "
+        "machine)",
+    )
+    g.add_argument(
+        "--python",
+        default="python",
+        help="with a Jobs API --address: the interpreter on the cluster that has vitpipe's dependencies",
     )
     g.add_argument(
         "--max-errors",
@@ -181,7 +195,12 @@ def _print_report(r: BuildReport) -> int:
 
 
 def _run(source, args: argparse.Namespace) -> int:
-    options = {k: v for k, v in vars(args).items() if k not in ("func", "command", "parser")}
+    # Where the command ran is not an option of the dataset (a re-run elsewhere resumes the same build).
+    options = {
+        k: v for k, v in vars(args).items() if k not in ("func", "command", "parser", "address", "python")
+    }
+    if args.ray and args.address:
+        os.environ["RAY_ADDRESS"] = args.address  # a GCS address (a Jobs API one ran as a job: vitpipe.py)
     command = "vitpipe " + shlex.join(sys.argv[1:])
     return _print_report(build_dataset(source, args.out, _options(args), command=command, options=options))
 

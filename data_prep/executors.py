@@ -94,6 +94,12 @@ def run_on_ray(tasks: Iterable[ShardTask], job: ShardJob) -> Iterator[ShardResul
     Each task writes its shard where the dataset lives itself, so that must be a place every node sees:
     an object store URI (s3://...; the shard is staged on the node's own scratch) or a shared folder.
     """
+    if os.environ.get("RAY_ADDRESS", "").startswith(("http://", "https://")):
+        raise DatasetError(
+            f"--ray: RAY_ADDRESS {os.environ['RAY_ADDRESS']} is a Jobs API address, which runs jobs but is not "
+            "one this process can join: run `vitpipe shard ... --ray --address URL` (it runs as a Ray job "
+            "there), or give the cluster's GCS address (HEAD:6379)"
+        )
     try:
         _check_reachable(os.environ.get("RAY_ADDRESS", ""))
         import ray  # optional (`--ray` only), and slow to import: only on this path

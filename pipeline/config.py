@@ -674,7 +674,9 @@ class StageConfig(_Section):
         data = self.model_dump(mode="json")
         data["cluster"]["use_gpu"] = bool(gpu)
         found = "found GPUs" if gpu else "found no GPU"
-        return validate_config(data, source=f"{self.name} (cluster.use_gpu: auto {found} where the stage starts)")
+        return validate_config(
+            data, source=f"{self.name} (cluster.use_gpu: auto {found} where the stage starts)"
+        )
 
 
 # ---------------------------------------------------------------- reading and validating

@@ -339,3 +339,19 @@ def test_ray_tasks_write_the_same_shards(ray_cluster, tmp_path):
     shard("synthetic", tmp_path / "ray", *args, "--ray", env=env)
     assert shard_hashes(tmp_path / "ray") == shard_hashes(tmp_path / "local")
     assert read_manifest(tmp_path / "ray").shards == read_manifest(tmp_path / "local").shards
+
+    # The Jobs API address, as `vitpipe submit` takes it (and as docs/cluster.md sets RAY_ADDRESS): the
+    # command runs on the cluster as a Ray job, its log streamed here; the same shards.
+    jobs = {**env, "RAY_ADDRESS": ray_cluster.dashboard_url}
+    proc = shard("synthetic", tmp_path / "job", *args, "--ray", "--python", sys.executable, env=jobs)
+    assert "submitted shard-" in proc.stdout and "SUCCEEDED" in proc.stdout, proc.stdout
+    assert "wrote 40 images in 4 shards" in proc.stdout  # the job's own report, from its log
+    assert shard_hashes(tmp_path / "job") == shard_hashes(tmp_path / "local")
+    assert read_manifest(tmp_path / "job").command.endswith(
+        f"{tmp_path / 'job'} {' '.join(map(str, args))} --ray"
+    )
+    # Refused before anything is uploaded: an output the job would write inside its copy of the directory.
+    proc = shard(
+        "synthetic", "data/rel", *args, "--ray", "--address", ray_cluster.dashboard_url, env=env, expect=2
+    )
+    assert "OUT 'data/rel': relative, so it would be written inside the job's temporary copy" in proc.stderr

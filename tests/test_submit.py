@@ -124,3 +124,39 @@ def test_preflight_checks_every_local_shard_a_pattern_names_and_no_uri():
     assert _local("file:/a.tar::/b.tar") == ["/a.tar", "/b.tar"]
     assert _local("/data/corpus") == ["/data/corpus"]
     assert _local("s3://bucket/corpus?endpoint_override=x") == [] and _local(None) == []
+
+
+def test_shard_as_a_job_refuses_paths_the_job_would_resolve_in_its_copy(tmp_path, monkeypatch):
+    """`vitpipe shard ... --ray --address http://...` runs in the job's copy of this directory: a relative
+    output would be written there (and deleted with it), a relative input the upload leaves out (data/, or
+    outside the project) is not there. Both are refused, named, before the cluster is contacted; an
+    uploaded relative input, object storage and absolute paths pass on to the token check."""
+
+    def no_client(address):
+        raise AssertionError("contacted the cluster")
+
+    monkeypatch.setattr(submit, "client", no_client)
+    monkeypatch.chdir(Path(__file__).parents[1])
+    monkeypatch.setenv("HOME", str(tmp_path))  # no token here: what passes the path checks stops there
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    url = "http://127.0.0.1:8265"
+    with pytest.raises(submit.SubmitError, match=r"OUT 'out/mine': relative, so it would be written inside"):
+        submit.submit_shard([], {"OUT": "out/mine"}, {}, url, "python")
+    with pytest.raises(
+        submit.SubmitError,
+        match=r"FILE 'data/m.csv', --labels '../l.csv': relative and not uploaded.*s3://BUCKET",
+    ):
+        submit.submit_shard(
+            [], {"OUT": "s3://b/d"}, {"FILE": "data/m.csv", "--labels": "../l.csv"}, url, "python"
+        )
+    for inputs in (
+        {"FILE": "configs/experiments/smoke.yaml"},
+        {"DIR": "/shared/images"},
+        {"DIR": "s3://b/i"},
+    ):
+        with pytest.raises(submit.SubmitError, match="no Ray auth token"):
+            submit.submit_shard([], {"OUT": "/shared/data/mine"}, inputs, url, "python")
+    assert submit.is_jobs_api(url) and submit.is_jobs_api("https://ray.example.com")
+    assert not any(map(submit.is_jobs_api, ("127.0.0.1:6379", "ray://head:10001", "auto", None)))
