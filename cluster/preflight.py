@@ -38,7 +38,7 @@ def _sqlite_dir(uri: str) -> Path | None:
     return Path(uri.removeprefix("sqlite:///")).parent if uri.startswith("sqlite:///") else None
 
 
-def _local(path: str | None) -> list[str]:
+def local_paths(path: str | None) -> list[str]:
     """The local files or folders `path` names (a folder, a file, shard patterns `{000..009}` and
     `::` lists expanded); none for URIs."""
     if not path:
@@ -107,7 +107,7 @@ def check_nodes_see(cfg: StageConfig) -> None:
         "model.init_from": cfg.model.init_from,
         "objective.teacher.weights": teacher,
     }
-    wanted = {**markers, **{p: (k, p) for k, v in inputs.items() for p in _local(v)}}
+    wanted = {**markers, **{p: (k, p) for k, v in inputs.items() for p in local_paths(v)}}
     for marker in markers:
         Path(marker).parent.mkdir(parents=True, exist_ok=True)
         Path(marker).write_text(

@@ -13,13 +13,24 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
+import json
 import os
 import shlex
+import shutil
 import sys
+import tempfile
 import time
+import uuid
 from pathlib import Path
 
-from pipeline.config import input_problems, load_experiment, raw_config, written_relative
+from cluster.path_probe import PREFIX as PROBE_PREFIX
+from pipeline.config import (
+    datasets_written_relative,
+    input_problems,
+    load_experiment,
+    raw_config,
+    written_relative,
+)
 
 # Ray's limit on a job's uploaded working directory (ray issue 45602: .git is not excluded by default).
 UPLOAD_LIMIT_BYTES = 100 * 1024**2
@@ -40,6 +51,9 @@ EXCLUDES = [
     ".gl",
 ]
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
+PROBE = Path(__file__).with_name("path_probe.py")
+PROBE_MAX_PATHS = 64  # paths one probe checks on every node
+DONE_STATUSES = ("SUCCEEDED", "FAILED", "STOPPED")
 STOP_WAIT_S = 300  # grace between `ray job stop`'s SIGTERM and its SIGKILL (the job supervisor reads it)
 
 
@@ -114,6 +128,101 @@ def check_token() -> None:
         )
 
 
+def check_datasets_written(config: str, overrides: list[str]) -> None:
+    """Refuse a `data.train` given by a relative path: the job resolves it inside its copy of the working
+    directory, which leaves out data/ and exists on the head node only."""
+    relative = datasets_written_relative(raw_config(config, overrides))
+    if relative:
+        named = ", ".join(f"{key} {value!r}" for key, value in relative)
+        raise SubmitError(
+            f"{config}: {named}: relative, so the job would look for the dataset inside its temporary copy of "
+            "the working directory on the head node (which leaves out data/). Give object storage "
+            "(data.train=s3://BUCKET/data/NAME, written by `vitpipe shard ... s3://...`) or a path every node "
+            "mounts (/shared/data/NAME)"
+        )
+
+
+def probe_paths(
+    paths: list[str], address: str | None, python: str, timeout_s: float = 300, attempts: int = 2
+) -> list[dict] | str:
+    """Ask every live node of the cluster which of `paths` it lacks, in a Ray job of its own that uploads
+    only `cluster/path_probe.py` and the list: its report (see there), or why there is none. A job that
+    ended before its script printed anything (its runtime environment, its driver's start) is tried again."""
+    c = client(address)
+    why = ""
+    for _ in range(attempts):
+        sid = f"vitpipe-path-probe-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        with tempfile.TemporaryDirectory(prefix="vitpipe-probe-") as tmp:
+            shutil.copy(PROBE, Path(tmp) / PROBE.name)
+            (Path(tmp) / "paths.json").write_text(json.dumps(paths))
+            c.submit_job(
+                entrypoint=shlex.join([python, PROBE.name, "paths.json"]),
+                submission_id=sid,
+                runtime_env={"working_dir": tmp},
+                metadata={"command": "path probe"},
+            )  # the upload happens here; the folder may go after it
+        deadline = time.monotonic() + timeout_s
+        while (status := str(getattr(s := c.get_job_status(sid), "value", s))) not in DONE_STATUSES:
+            if time.monotonic() > deadline:
+                c.stop_job(sid)
+                return f"the probe job {sid} did not finish within {timeout_s:.0f} s"
+            time.sleep(1)
+        log = c.get_job_logs(sid)
+        line = next((ln for ln in log.splitlines() if ln.startswith(PROBE_PREFIX)), None)
+        if status == "SUCCEEDED" and line is not None:
+            return json.loads(line.removeprefix(PROBE_PREFIX))
+        why = f"the probe job {sid} ended {status}: {(log.strip() or c.get_job_info(sid).message or 'no log')[-500:]}"
+        if log.strip():  # the script ran and failed: the same again
+            break
+    return why
+
+
+def _hosts_workers(resources: dict, cfg, gpus_in_cluster: bool) -> bool:
+    """Whether a node with `resources` may host one of the stage's workers (cluster.preflight's rule)."""
+    gpu = cfg.cluster.use_gpu is True or (cfg.cluster.use_gpu == "auto" and gpus_in_cluster)
+    need = {"CPU": cfg.cluster.cpus_per_worker, **({"GPU": 1} if gpu else {})}
+    return all(resources.get(k, 0) >= v for k, v in need.items())
+
+
+def check_datasets_on_cluster(exp, address: str | None, python: str) -> None:
+    """Refuse, before the upload, a stage whose local dataset (`data.train` a path, not a URI; a dataset
+    the job generates is left to the job's own check) is missing on a node that may host its workers: a
+    node's own disk is not another's. One probe job, a few seconds; a probe that cannot run is a warning
+    (the job's pre-flight, cluster.preflight, checks every node again before the stage starts)."""
+    from cluster.preflight import local_paths  # imports Ray: only here
+
+    wanted: dict[str, list[tuple[str, object]]] = {}  # path -> (stage, config) that read it
+    for name, cfg in exp.stages:
+        if cfg.data.synthetic is None:
+            paths = local_paths(cfg.data.train)
+            if len(paths) > PROBE_MAX_PATHS:  # a long shard list: its folders, and its first and last shard
+                paths = sorted({os.path.dirname(p) for p in paths}) + [paths[0], paths[-1]]
+            for p in paths:
+                wanted.setdefault(p, []).append((name, cfg))
+    if not wanted:
+        return
+    report = probe_paths(sorted(wanted), address, python)
+    if isinstance(report, str):
+        print(f"warning: could not check the datasets on the cluster's nodes: {report}", file=sys.stderr)
+        return
+    gpus = any(n["resources"].get("GPU", 0) > 0 for n in report)
+    problems = []
+    for node in report:
+        for path in node["missing"] or []:
+            stages = [name for name, cfg in wanted[path] if _hosts_workers(node["resources"], cfg, gpus)]
+            if stages:
+                problems.append(
+                    f"node {node['node']} ({node['id'][:8]}) does not see {path} (data.train of "
+                    f"{', '.join(stages)})"
+                )
+    if problems:
+        raise SubmitError(
+            "; ".join(problems)
+            + ". Every node that may run a worker reads the dataset: put it in object storage "
+            "(`vitpipe shard ... s3://BUCKET/data/NAME`, data.train=s3://...) or on a filesystem every node mounts"
+        )
+
+
 def client(address: str | None):
     # Imported here: Ray takes seconds to import, and every vitpipe command imports this module.
     from ray.job_submission import JobSubmissionClient
@@ -139,10 +248,12 @@ def submit(
     exp = load_experiment(config, overrides)  # a typo fails here, not after an upload
     check_paths_written(config, overrides)
     check_token()
+    check_datasets_written(config, overrides)
     for problem in input_problems(exp):  # a warning: the data may live on the cluster, which checks again
         print(f"warning: {problem} (here; the job stops at start if the cluster lacks it)", file=sys.stderr)
     root = (root or Path.cwd()).resolve()
     check_upload(root)
+    check_datasets_on_cluster(exp, address, python)
     cfg_path = Path(config).resolve()
     try:
         rel_config = cfg_path.relative_to(root).as_posix()

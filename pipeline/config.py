@@ -885,6 +885,28 @@ def written_relative(raw: dict) -> list[tuple[str, str]]:
     return found
 
 
+def datasets_written_relative(raw: dict) -> list[tuple[str, str]]:
+    """(setting, value) of every `data.train` a raw config (`raw_config`) reads by a relative local path:
+    a stage's own, or for the stages without one, the experiment's default. URIs (s3://..., pipe:) and
+    absolute paths pass."""
+
+    def train(section) -> str | None:
+        data = section.get("data") if isinstance(section, dict) else None
+        return data.get("train") if isinstance(data, dict) else None
+
+    stages = raw.get("stages") or {}
+    default = ("defaults.data.train", train(raw.get("defaults"))) if stages else ("data.train", train(raw))
+    read = [
+        (f"stages.{n}.data.train", train(s)) if train(s) is not None else default for n, s in stages.items()
+    ]
+    found = []
+    for key, value in read or [default]:
+        relative = isinstance(value, str) and not (":" in value.split("/")[0] or os.path.isabs(value))
+        if relative and (key, value) not in found:
+            found.append((key, value))
+    return found
+
+
 def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> StageConfig:
     """Read a one-stage YAML file (and its `base:` presets), apply dotted overrides, validate, check the
     model. Relative paths resolve against the CWD."""

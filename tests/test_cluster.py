@@ -251,6 +251,47 @@ def test_a_client_without_the_token_is_refused(ray_cluster, tmp_path):
     assert ok.returncode == 0
 
 
+def test_submit_refuses_a_dataset_a_worker_node_does_not_see_before_uploading(
+    ray_cluster, node_disks, tmp_path, smoke_dataset, monkeypatch
+):
+    """vitpipe submit asks every node, in one small job that uploads only the probe, whether it sees each
+    stage's local dataset: one on the head's own disk is refused, naming the node, path and stages, before
+    the project is uploaded; one every node sees passes."""
+    from cluster import submit
+
+    def no_upload(*args, **kwargs):
+        raise AssertionError("the project was submitted")
+
+    monkeypatch.setattr(submit, "submit_job", no_upload)
+    head_disk, _ = node_disks
+    only_head = head_disk / f"data-{tmp_path.name}"  # the second node sees its own folder at this path
+    shutil.copytree(smoke_dataset, only_head)
+    common = [f"run_dir={tmp_path}", "defaults.data.synthetic=null"]
+    with pytest.raises(submit.SubmitError) as refused:
+        submit.submit(
+            str(TWO_STAGE),
+            [*common, f"defaults.data.train={only_head}"],
+            ray_cluster.dashboard_url,
+            sys.executable,
+        )
+    message = str(refused.value)
+    node = r"node 127\.0\.0\.1 \(\w{8}\)"
+    assert re.search(rf"{node} does not see {only_head} \(data.train of pretrain, finetune\)", message), (
+        message
+    )
+    assert message.count("does not see") == 1 and "s3://BUCKET" in message  # the head sees it
+    with pytest.raises(AssertionError, match="the project was submitted"):  # every node sees this one
+        submit.submit(
+            str(TWO_STAGE),
+            [*common, f"defaults.data.train={smoke_dataset}"],
+            ray_cluster.dashboard_url,
+            sys.executable,
+        )
+    jobs = cli(sys.executable, "-m", "vitpipe", "jobs", "--address", ray_cluster.dashboard_url).stdout
+    assert jobs.count("vitpipe-path-probe-") >= 2 and "SUCCEEDED" in jobs
+    shutil.rmtree(only_head)
+
+
 def test_local_cluster_is_two_nodes_with_the_dashboard_on_loopback(ray_cluster):
     # `ray status` reports what the autoscaler last saw: a node that joined a second ago may be missing.
     for _ in range(30):

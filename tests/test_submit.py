@@ -116,7 +116,7 @@ def test_a_run_dir_inside_the_jobs_working_directory_copy_is_refused(tmp_path, m
 def test_preflight_checks_every_local_shard_a_pattern_names_and_no_uri():
     """The per-node check reads what data.train names: each shard of a local brace pattern or `::` list (a
     pattern is no path that exists), and nothing for object storage, which every node reads alike."""
-    from cluster.preflight import _local
+    from cluster.preflight import local_paths as _local
 
     assert _local("/data/c/train/shard-{000000..000002}.tar") == [
         f"/data/c/train/shard-00000{i}.tar" for i in range(3)
@@ -160,3 +160,29 @@ def test_shard_as_a_job_refuses_paths_the_job_would_resolve_in_its_copy(tmp_path
             submit.submit_shard([], {"OUT": "/shared/data/mine"}, inputs, url, "python")
     assert submit.is_jobs_api(url) and submit.is_jobs_api("https://ray.example.com")
     assert not any(map(submit.is_jobs_api, ("127.0.0.1:6379", "ray://head:10001", "auto", None)))
+
+
+def test_a_relative_dataset_path_is_refused_before_any_upload():
+    """data.train by a relative path would be looked for inside the job's copy of the working directory
+    (which leaves out data/, on the head node only): refused, naming the setting each stage reads it from."""
+    root = Path(__file__).parents[1]
+    two_stage = str(root / "configs/experiments/two_stage_tiny.yaml")  # defaults.data.train: data/smoke
+    with pytest.raises(
+        submit.SubmitError,
+        match=r"defaults.data.train 'data/smoke': relative.*s3://BUCKET/data/NAME.*/shared/data",
+    ):
+        submit.check_datasets_written(two_stage, [])
+    for fine in ("/shared/data/smoke", "s3://bucket/smoke", "pipe:cat /x.tar"):
+        submit.check_datasets_written(two_stage, [f"defaults.data.train={fine}"])
+    demo = str(root / "configs/experiments/demo.yaml")  # each stage its own; the demo gives them absolute
+    with pytest.raises(
+        submit.SubmitError, match=r"^\S+demo.yaml: stages.finetune.data.train 'data/demo/digits'"
+    ):
+        submit.check_datasets_written(demo, ["stages.pretrain.data.train=/d/synthetic"])
+    absolute = [f"stages.{s}.data.train=/d/digits" for s in ("finetune", "eval_finetune", "finetune_scratch")]
+    submit.check_datasets_written(
+        demo, [*absolute, "stages.pretrain.data.train=/d/s", "stages.eval_scratch.data.train=/d"]
+    )
+    single = str(root / "configs/experiments/smoke.yaml")
+    with pytest.raises(submit.SubmitError, match=r"data.train 'data/smoke': relative"):
+        submit.check_datasets_written(single, [])
