@@ -20,12 +20,15 @@ def _train(args: argparse.Namespace) -> int:
         from cluster.run import run_stage
 
         try:
-            error = run_stage(cfg).error
+            result = run_stage(cfg)
+            error = result.error
         except Exception as exc:  # Ray Train v2 raises TrainingFailedError once retries are exhausted
-            error = exc
+            result, error = None, exc
         if error is not None:
             print(f"training failed: {error}", file=sys.stderr)
             return 1
+        if result.checkpoint is not None:  # a pointer to the export (cluster.run.report)
+            print(f"Ray Train checkpoint: {result.checkpoint.path} (export.json: where the export is)")
     else:
         from pipeline.train.launch import launch_local
 

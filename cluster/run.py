@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -74,10 +76,29 @@ RAY_TRAIN_LOG_ENV = {
 }
 
 
+EXPORT_POINTER = "export.json"  # in the stage's Ray Train checkpoint: where its export is
+
+
+def report(metrics: dict, pointer: dict | None = None) -> None:
+    """ray.train.report for the loop (every rank, the same number of times). With `pointer` (rank 0 at the
+    end of a training stage that exported) it also reports a checkpoint holding EXPORT_POINTER (the
+    export's path and storage URI) and the export's model.json: Ray's pointer checkpoint, so that
+    `Result.checkpoint` leads to the weights without Ray copying gigabytes into its own storage."""
+    if pointer is None:
+        ray.train.report(metrics)
+        return
+    with tempfile.TemporaryDirectory(prefix="vitpipe-pointer-") as tmp:
+        (Path(tmp) / EXPORT_POINTER).write_text(json.dumps(pointer, indent=1))
+        description = Path(pointer["export"]) / "model.json"
+        if description.is_file():
+            shutil.copy(description, tmp)
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+
+
 def _worker(config: dict) -> None:
     # Runs in every Ray Train worker; TorchTrainer has already joined the process group.
     cfg = validate_config(config["cfg"], source="<ray worker>")
-    run_rank(cfg, report=ray.train.report, parent_run_id=config["parent_run_id"])
+    run_rank(cfg, report=report, parent_run_id=config["parent_run_id"])
 
 
 def connect(address: str | None) -> None:

@@ -19,6 +19,7 @@ import difflib
 import functools
 import inspect
 import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -75,7 +76,12 @@ def _run_dir(run_dir: str, name: str) -> str:
 
 
 class ModelConfig(_Section):
-    name: str = Field("vit_debug", description="Registered model name, see `pipeline.models.list_models()`.")
+    name: str = Field(
+        "vit_debug",
+        description="Registered model name, see `pipeline.models.list_models()`. timm's name of a plain ViT "
+        "(vit_base_patch16_384, deit_small_patch16_224) is read as ours (vit_b16, vit_s16) with its resolution "
+        "as img_size unless img_size is set.",
+    )
     img_size: int = Field(32, gt=0, description="Training resolution in pixels (square).")
     num_classes: int | None = Field(
         None,
@@ -90,8 +96,10 @@ class ModelConfig(_Section):
     )
     init_from: str | None = Field(
         None,
-        description="Start from exported weights: an export folder or .safetensors file, or (in a multi-stage "
-        "experiment) the name of an earlier stage. Position embeddings are resampled to img_size.",
+        description="Start from exported weights: an export folder or .safetensors file, public weights in the "
+        "timm layout (timm, DeiT and MAE .pth/.bin/.safetensors files, or a timm folder with config.json; a "
+        "file so named is checked against model.name: deit_base_patch16_224-*.pth is vit_b16), or (in a "
+        "multi-stage experiment) the name of an earlier stage. Position embeddings are resampled to img_size.",
     )
     init_head: bool = Field(
         False, description="Also load the classifier head from init_from (else a new zero head)."
@@ -120,6 +128,17 @@ class ModelConfig(_Section):
         "input per block, and a step costs (3 + f) instead of 3 forwards (perf/hfu counts the recompute, "
         "perf/mfu does not). Use the smallest f at which the micro-batch fits.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _published_name(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("name"), str):
+            from pipeline.models.convert import TIMM_NAMES  # torch: only when a name is given
+
+            found = re.fullmatch(r"(.+)_(\d+)", data["name"])
+            if found and found.group(1) in TIMM_NAMES and found.group(1).startswith(("vit_", "deit_")):
+                data = {"img_size": int(found.group(2)), **data, "name": TIMM_NAMES[found.group(1)]}
+        return data
 
     @field_validator("grad_checkpointing", mode="before")
     @classmethod
@@ -211,6 +230,17 @@ class DataConfig(_Section):
         description="RandomResizedCrop lower area bound; 1.0 keeps the whole image (the layout corpus: a crop "
         "moves objects across the halves and quadrants its labels name).",
     )
+    mean: tuple[float, float, float] | None = Field(
+        None,
+        description="Per-channel mean (of pixels in 0..1) the model's inputs are normalised with, set with "
+        "data.std. Null: what model.init_from's export recorded (a timm folder's config.json too), else the "
+        "model family's, as its published weights use: 0.5 for ViT (big_vision; timm's AugReg weights), "
+        "hybrid, masked patch prediction, SETR, DETR and TNT; ImageNet's (0.485, 0.456, 0.406 / 0.229, "
+        "0.224, 0.225) for MAE, Swin, CvT, LeViT and SimMIM. Decided when the stage starts; exports record it.",
+    )
+    std: tuple[float, float, float] | None = Field(
+        None, description="Per-channel standard deviation, with data.mean (null: as data.mean says)."
+    )
     decode: Literal["cpu", "cuda"] = Field(
         "cpu",
         description="Where training images are decoded. `cpu`: PIL in the loader workers. `cuda`: the workers "
@@ -223,6 +253,16 @@ class DataConfig(_Section):
     @classmethod
     def _absolute_train(cls, v: str) -> str:
         return local_abspath(v)
+
+    @model_validator(mode="after")
+    def _mean_with_std(self) -> DataConfig:
+        if (self.mean is None) != (self.std is None):
+            raise ValueError(
+                "data.mean and data.std go together: set both, or neither (the model's defaults)"
+            )
+        if self.std is not None and min(self.std) <= 0:
+            raise ValueError(f"data.std: every channel's must be > 0, got {list(self.std)}")
+        return self
 
 
 class TeacherConfig(_Section):
@@ -526,6 +566,11 @@ class EvalConfig(_Section):
         description="Eval images are resized so that the centre crop of this fraction of the shorter side is "
         "img_size (ImageNet's 0.875); 1.0 keeps the whole shorter side (square images: the whole image, as "
         "training with data.min_scale 1.0 sees it).",
+    )
+    interpolation: Literal["bilinear", "bicubic"] | None = Field(
+        None,
+        description="Resampling of eval images (antialiased). Null: what model.init_from's export recorded, "
+        "else bicubic, as timm, DeiT and MAE evaluate every family here. Training crops stay bilinear.",
     )
 
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from pipeline.config import ObjectiveConfig
 from pipeline.data.batching import MASK_IGNORE
-from pipeline.data.transforms import mixup_cutmix, normalize
+from pipeline.data.transforms import IMAGENET_MEAN, IMAGENET_STD, mixup_cutmix, normalize
 from pipeline.models import create_model
 from pipeline.models.boxes import hungarian_match, set_loss
 from pipeline.models.masked_patch import mean_colour_classes
@@ -58,18 +58,22 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)  # the DeepSpeed engine wraps the model
 
 
-def _pixels(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
-    """uint8 batch -> normalised floats in the model's dtype (a bf16 engine casts the weights)."""
-    return normalize(images).to(next(_unwrap(model).parameters()).dtype)
+class _Objective:
+    """What every objective shares: its config, and the pixel statistics its model's inputs are normalised
+    with (data.mean / data.std, resolved when the stage starts: pipeline.stage.resolve_preprocessing)."""
+
+    def __init__(self, cfg: ObjectiveConfig, mean=IMAGENET_MEAN, std=IMAGENET_STD):
+        self.cfg, self.mean, self.std = cfg, tuple(mean), tuple(std)
+
+    def pixels(self, model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+        """uint8 batch -> normalised floats in the model's dtype (a bf16 engine casts the weights)."""
+        return normalize(images, self.mean, self.std).to(next(_unwrap(model).parameters()).dtype)
 
 
-class SupervisedSoftmax:
+class SupervisedSoftmax(_Objective):
     """Softmax cross-entropy with label smoothing and optional Mixup/CutMix."""
 
     name = "supervised_softmax"
-
-    def __init__(self, cfg: ObjectiveConfig):
-        self.cfg = cfg
 
     @staticmethod
     def model_kwargs(cfg: ObjectiveConfig, num_classes: int) -> dict:
@@ -80,7 +84,7 @@ class SupervisedSoftmax:
         pass
 
     def _inputs(self, model, batch):
-        images = _pixels(model, batch["image"])
+        images = self.pixels(model, batch["image"])
         target = _soft_targets(batch["target"], _unwrap(model).num_classes, self.cfg.label_smoothing).to(
             images.dtype
         )
@@ -96,13 +100,10 @@ class SupervisedSoftmax:
         return loss, {"accuracy": (logits.argmax(1) == hard).float().mean().detach()}
 
 
-class SupervisedSigmoid:
+class SupervisedSigmoid(_Objective):
     """Per-class sigmoid cross-entropy summed over classes, mean over the batch (JFT, big_vision)."""
 
     name = "supervised_sigmoid"
-
-    def __init__(self, cfg: ObjectiveConfig):
-        self.cfg = cfg
 
     @staticmethod
     def model_kwargs(cfg: ObjectiveConfig, num_classes: int) -> dict:
@@ -114,7 +115,7 @@ class SupervisedSigmoid:
         pass
 
     def loss(self, model, batch):
-        logits = model(_pixels(model, batch["image"])).float()  # [B, K]
+        logits = model(self.pixels(model, batch["image"])).float()  # [B, K]
         target = batch["target"]
         if target.ndim == 1:
             target = F.one_hot(target, logits.shape[1])
@@ -124,13 +125,10 @@ class SupervisedSigmoid:
         return loss, {"precision_at_1": top1.detach()}
 
 
-class MaskedAutoencoder:
+class MaskedAutoencoder(_Objective):
     """MAE: reconstruct the pixels of the masked patches from the visible ones."""
 
     name = "mae"
-
-    def __init__(self, cfg: ObjectiveConfig):
-        self.cfg = cfg
 
     @staticmethod
     def model_kwargs(cfg: ObjectiveConfig, num_classes: int) -> dict:
@@ -140,7 +138,7 @@ class MaskedAutoencoder:
         pass
 
     def loss(self, model, batch):
-        images = _pixels(model, batch["image"])
+        images = self.pixels(model, batch["image"])
         loss, _, mask = model(images, generator=_generator(batch, images.device))
         return loss, {"mask_ratio": mask.float().mean().detach()}
 
@@ -151,13 +149,10 @@ class SimMIMObjective(MaskedAutoencoder):
     name = "simmim"  # the same call as MAE: model(images, generator) -> (loss, reconstruction, mask)
 
 
-class MaskedPatchPrediction:
+class MaskedPatchPrediction(_Objective):
     """The ViT paper's self-supervision: predict the 3-bit mean colour of corrupted patches."""
 
     name = "masked_patch_prediction"
-
-    def __init__(self, cfg: ObjectiveConfig):
-        self.cfg = cfg
 
     @staticmethod
     def model_kwargs(cfg: ObjectiveConfig, num_classes: int) -> dict:
@@ -167,7 +162,7 @@ class MaskedPatchPrediction:
         pass
 
     def loss(self, model, batch):
-        images = _pixels(model, batch["image"])
+        images = self.pixels(model, batch["image"])
         targets = mean_colour_classes(batch["image"], _unwrap(model).patch_size)  # [B, N]
         loss, logits, corrupted = model(images, targets, generator=_generator(batch, images.device))
         hits = (logits.argmax(-1) == targets) & corrupted  # no boolean indexing: it syncs with the host
@@ -175,13 +170,13 @@ class MaskedPatchPrediction:
         return loss, {"patch_accuracy": acc.detach()}
 
 
-class Distillation:
+class Distillation(_Objective):
     """DeiT: the class token learns the labels, the distillation token the teacher (hard or soft)."""
 
     name = "distill"
 
-    def __init__(self, cfg: ObjectiveConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: ObjectiveConfig, mean=IMAGENET_MEAN, std=IMAGENET_STD):
+        super().__init__(cfg, mean, std)
         self.teacher: nn.Module | None = None
         self.teacher_size: int | None = None
 
@@ -211,7 +206,7 @@ class Distillation:
         self.teacher_size = t.img_size
 
     def loss(self, model, batch):
-        images = _pixels(model, batch["image"])
+        images = self.pixels(model, batch["image"])
         num_classes = _unwrap(model).num_classes
         target = _soft_targets(batch["target"], num_classes, self.cfg.label_smoothing)
         cls_logits, dist_logits = model(images)
@@ -247,7 +242,7 @@ class Distillation:
         }
 
 
-class Segmentation:
+class Segmentation(_Objective):
     """Semantic segmentation (SETR): per-pixel softmax cross-entropy against the batch's masks.
 
     The loader's masks ([B, H, W] uint8, class per pixel) follow the image's crop and flip; pixels marked
@@ -255,9 +250,6 @@ class Segmentation:
     """
 
     name = "segmentation"
-
-    def __init__(self, cfg: ObjectiveConfig):
-        self.cfg = cfg
 
     @staticmethod
     def model_kwargs(cfg: ObjectiveConfig, num_classes: int) -> dict:
@@ -267,7 +259,7 @@ class Segmentation:
         pass
 
     def loss(self, model, batch):
-        logits = model(_pixels(model, batch["image"])).float()  # [B, K, H, W]
+        logits = model(self.pixels(model, batch["image"])).float()  # [B, K, H, W]
         target = batch["mask"].long()  # [B, H, W]
         loss = F.cross_entropy(
             logits, target, ignore_index=MASK_IGNORE, label_smoothing=self.cfg.label_smoothing
@@ -278,7 +270,7 @@ class Segmentation:
         return loss, {"pixel_accuracy": acc.detach()}
 
 
-class Detection:
+class Detection(_Objective):
     """Set-prediction detection (DETR): each image's objects matched one-to-one to the model's queries by the
     Hungarian algorithm, then class cross-entropy ("no object" for unmatched queries, down-weighted), box L1
     and generalized IoU (`pipeline.models.boxes`), at every decoder layer with `aux_loss`.
@@ -290,9 +282,6 @@ class Detection:
 
     name = "detection"
 
-    def __init__(self, cfg: ObjectiveConfig):
-        self.cfg = cfg
-
     @staticmethod
     def model_kwargs(cfg: ObjectiveConfig, num_classes: int) -> dict:
         return {"num_classes": num_classes, "head_bias_init": cfg.head_bias_init or 0.0}
@@ -301,7 +290,7 @@ class Detection:
         pass
 
     def loss(self, model, batch):
-        logits, boxes = model(_pixels(model, batch["image"]))  # [L, B, Q, K + 1], [L, B, Q, 4]
+        logits, boxes = model(self.pixels(model, batch["image"]))  # [L, B, Q, K + 1], [L, B, Q, 4]
         if not self.cfg.aux_loss:
             logits, boxes = logits[-1:], boxes[-1:]
         target_boxes, target_classes = batch["boxes"], batch["box_classes"]  # [B, M, 4], [B, M]
@@ -337,8 +326,9 @@ OBJECTIVES = {
 }
 
 
-def build_objective(cfg: ObjectiveConfig) -> Objective:
-    return OBJECTIVES[cfg.name](cfg)
+def build_objective(cfg: ObjectiveConfig, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> Objective:
+    """The configured objective, normalising its model's inputs with `mean` and `std` (data.mean/std)."""
+    return OBJECTIVES[cfg.name](cfg, mean, std)
 
 
 def model_kwargs(cfg: ObjectiveConfig, num_classes: int) -> dict:

@@ -30,9 +30,10 @@ from torch import nn
 
 from data_prep.layout import MASK_IGNORE, DatasetError
 from pipeline import objectives
-from pipeline.config import StageConfig, flatten, save_resolved
+from pipeline.config import StageConfig, flatten, save_resolved, validate_config
 from pipeline.data.sources import DatasetInfo
-from pipeline.models.convert import load_timm_state_dict
+from pipeline.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+from pipeline.models.convert import check_published_architecture, load_timm_state_dict
 from pipeline.tracking import (
     CHECKPOINT_URI_TAG,
     RUN_ID_FILE,
@@ -42,7 +43,7 @@ from pipeline.tracking import (
     write_run_id,
 )
 from pipeline.train.engine import DistContext, init_distributed
-from pipeline.train.export import load_exported
+from pipeline.train.export import export_preprocessing, load_exported
 
 log = logging.getLogger(__name__)
 CONFIG_FILE = "config.yaml"  # the resolved config, in the run directory and as an MLflow artifact
@@ -109,10 +110,62 @@ class Stage:
             yield tracker
 
 
+# The input statistics and eval resampling of each model family's published weights (timm's pretrained_cfg
+# of the same models; MAE's and DeiT's repositories): a stage that starts from nothing takes its family's,
+# so that its export pairs with the public weights of that family. Longest prefix first.
+INCEPTION = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))  # big_vision's value_range(-1, 1); timm's AugReg ViTs
+IMAGENET = (IMAGENET_MEAN, IMAGENET_STD)
+FAMILY_PREPROCESSING: dict[str, tuple[tuple, tuple]] = {
+    "mae_": IMAGENET,  # MAE's repository (and its timm ports)
+    "simmim_": IMAGENET,  # SimMIM's repository (Swin)
+    "swin_": IMAGENET,
+    "cvt_": IMAGENET,
+    "levit_": IMAGENET,
+    "tnt_": INCEPTION,
+    "mpp_vit_": INCEPTION,  # the ViT paper's self-supervision: its ViT's inputs
+    "setr_": INCEPTION,  # an encoder initialised from a ViT export
+    "detr_": INCEPTION,
+    "vit_": INCEPTION,  # ViT paper / big_vision / AugReg; hybrids (vit_r50_*) too
+}
+EVAL_INTERPOLATION = "bicubic"  # every family above, as timm, DeiT and MAE evaluate
+
+
+def family_preprocessing(model_name: str) -> dict:
+    """{"mean", "std", "interpolation"} a model family's published weights expect (ImageNet's for a name
+    no family claims)."""
+    mean, std = next((v for k, v in FAMILY_PREPROCESSING.items() if model_name.startswith(k)), IMAGENET)
+    return {"mean": list(mean), "std": list(std), "interpolation": EVAL_INTERPOLATION}
+
+
+def resolve_preprocessing(cfg: StageConfig) -> StageConfig:
+    """`cfg` with data.mean/std and eval.interpolation decided where null: as model.init_from's export
+    recorded them (a timm folder's config.json too; a stage that fine-tunes an MAE export keeps its
+    statistics), else as the model family's published weights expect (`family_preprocessing`)."""
+    if cfg.data.mean is not None and cfg.eval.interpolation is not None:
+        return cfg
+    found = export_preprocessing(cfg.model.init_from) if cfg.model.init_from else None
+    family = family_preprocessing(cfg.model.name)
+    source = found or family
+    data = cfg.model_dump(mode="json")
+    if cfg.data.mean is None:
+        data["data"]["mean"], data["data"]["std"] = source["mean"], source["std"]
+    if cfg.eval.interpolation is None:
+        data["eval"]["interpolation"] = source.get("interpolation") or family["interpolation"]
+    return validate_config(
+        data, source=f"{cfg.name} (preprocessing from {'model.init_from' if found else 'the model family'})"
+    )
+
+
+def preprocessing_of(cfg: StageConfig) -> dict:
+    """What an export records of its stage's inputs (a resolved config's)."""
+    return {"mean": list(cfg.data.mean), "std": list(cfg.data.std), "interpolation": cfg.eval.interpolation}
+
+
 def open_stage(cfg: StageConfig) -> Stage:
     """Every rank: join the process group the launcher described, seed, and (rank 0) save the config.
-    The Stage's config has `cluster.use_gpu: auto` decided (from this process's CUDA): read it, not `cfg`."""
-    cfg = cfg.on_device(torch.cuda.is_available())
+    The Stage's config has `cluster.use_gpu: auto` decided (from this process's CUDA) and the input
+    preprocessing (`resolve_preprocessing`): read it, not `cfg`."""
+    cfg = resolve_preprocessing(cfg.on_device(torch.cuda.is_available()))
     ctx = init_distributed(cfg.cluster.use_gpu)
     seed_everything(cfg.seed)
     if ctx.is_main:
@@ -179,10 +232,16 @@ def output_classes(cfg: StageConfig, info: DatasetInfo) -> int:
     return found
 
 
-def init_weights(model: nn.Module, source: str | Path, init_head: bool) -> dict:
-    """Load exported weights (a stage's export, or public ones in the timm layout; a folder, a file or a
-    storage URI) into `model`, the head too if `init_head`; returns the export's description. A model with
-    its own `load_pretrained(state, init_head)` (SETR: a ViT export goes into its encoder) loads itself."""
+def init_weights(
+    model: nn.Module, source: str | Path, init_head: bool, model_name: str | None = None
+) -> dict:
+    """Load exported weights (a stage's export, or public ones in the timm layout: timm, DeiT and MAE
+    .safetensors/.pth/.bin files or folders; a folder, a file or a storage URI) into `model`, the head too if
+    `init_head`; returns the export's description. A public checkpoint whose published name is another
+    model than `model_name` is refused first (convert.TIMM_NAMES). A model with its own
+    `load_pretrained(state, init_head)` (SETR: a ViT export goes into its encoder) loads itself."""
+    if model_name is not None:
+        check_published_architecture(str(source), model_name)
     state, meta = load_exported(source)
     if hasattr(model, "load_pretrained"):
         model.load_pretrained(state, init_head)

@@ -1,11 +1,13 @@
 """The reduced demo: the same journey as `make demo` (shards, local Ray, ray job submit, compare), shorter."""
 
+import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from mlflow.tracking import MlflowClient
 
 ROOT = Path(__file__).parents[1]
@@ -51,6 +53,16 @@ def test_reduced_demo_runs_end_to_end(tmp_path):
         runs["demo"].info.status == "FINISHED"
         and 0.0 <= runs["eval_finetune"].data.metrics["eval/top1"] <= 1.0
     )
+    # Input statistics: MAE's (ImageNet) through its export into the fine-tuning and its evaluation; the
+    # scratch ViT's own family's (0.5, as big_vision and timm's AugReg weights); each export records them.
+    imagenet, half = [0.485, 0.456, 0.406], [0.5, 0.5, 0.5]
+    for stage, mean in (("pretrain", imagenet), ("finetune", imagenet), ("finetune_scratch", half)):
+        recorded = json.loads((run_dir / stage / "export" / "model.json").read_text())["preprocessing"]
+        assert recorded["mean"] == mean and recorded["interpolation"] == "bicubic", (stage, recorded)
+    for stage, mean in (("eval_finetune", imagenet), ("eval_scratch", half)):
+        saved = yaml.safe_load((run_dir / stage / "config.yaml").read_text())
+        assert saved["data"]["mean"] == mean and saved["eval"]["interpolation"] == "bicubic", stage
+        assert runs[stage].data.params["data.mean"] == str(mean)  # logged as the run's params
     # Re-running reuses the shards and the finished stages, and starts no Ray cluster for them.
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]

@@ -1,6 +1,8 @@
 """The thin run through the real stack: shards -> ViT -> DeepSpeed ZeRO-2 -> Ray Train -> MLflow."""
 
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -45,7 +47,7 @@ def test_thin_run_on_two_ray_workers(ray_cluster, tmp_path):
     # lr 0.05: the loss ends at 0.37-0.38 of its first five steps (0.78 at the config's 0.02), far past
     # the bar of 0.9 whatever the CPU's rounding (replayed with 1e-4 weight perturbations and other init
     # seeds); lr 1e-9 stays at 1.01.
-    vitpipe(
+    proc = vitpipe(
         "train",
         str(SMOKE),
         f"cluster.address={ray_cluster.address}",
@@ -88,6 +90,17 @@ def test_thin_run_on_two_ray_workers(ray_cluster, tmp_path):
         assert (ckpt / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").is_file()
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == ckpt.name
     assert "zero_stage: 2" in (run_dir / "config.yaml").read_text()
+    # Ray Train's own Result.checkpoint: a pointer to the export (where it is, and its description), in
+    # Ray's storage under the run folder; the weights are not copied there.
+    found = re.search(r"Ray Train checkpoint: (\S+)", proc.stdout)
+    assert found, proc.stdout[-2000:]
+    pointer = Path(found.group(1))
+    assert pointer.is_relative_to(run_dir / "ray")
+    described = json.loads((pointer / "export.json").read_text())
+    assert described["export"] == str(run_dir / "export") and described["step"] == steps
+    assert described["model"] == "vit_debug" and described["export_uri"] is None  # no storage configured
+    assert (pointer / "model.json").read_text() == (run_dir / "export" / "model.json").read_text()
+    assert not list(pointer.glob("*.safetensors"))
 
 
 @pytest.mark.slow

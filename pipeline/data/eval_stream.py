@@ -43,6 +43,7 @@ class EvalStream(IterableDataset):
         batch_size: int,
         img_size: int,
         crop_fraction: float = 0.875,
+        interpolation: str = "bilinear",
         max_skip_fraction: float = 0.01,
         masks: bool = False,
         boxes: int = 0,
@@ -56,6 +57,7 @@ class EvalStream(IterableDataset):
         self.info, self.counts = info, counts
         self.rank, self.world_size = rank, world_size
         self.batch_size, self.img_size, self.crop_fraction = batch_size, img_size, crop_fraction
+        self.interpolation = interpolation
         self.max_skip_fraction = max_skip_fraction
         self.mask_classes = info.mask_classes() if masks else 0
         self.masks = masks
@@ -114,13 +116,15 @@ class EvalStream(IterableDataset):
                 yield pos, sample
 
     def _transform(self, img: Image.Image) -> torch.Tensor:
-        return eval_tensor(img, self.img_size, self.crop_fraction)
+        return eval_tensor(img, self.img_size, self.crop_fraction, self.interpolation)
 
     def _pair(self, img: Image.Image, mask: Image.Image) -> tuple[torch.Tensor, torch.Tensor]:
-        return eval_pair(img, mask, self.img_size, self.crop_fraction)
+        return eval_pair(img, mask, self.img_size, self.crop_fraction, self.interpolation)
 
     def _boxes(self, img: Image.Image, boxes: np.ndarray):
-        return eval_boxes(img, boxes, self.img_size)  # the whole image: a centre crop would cut objects
+        return eval_boxes(
+            img, boxes, self.img_size, self.interpolation
+        )  # the whole image: a centre crop would cut objects
 
     def __iter__(self) -> Iterator[dict]:
         worker, num_workers = loader_worker()

@@ -165,6 +165,7 @@ def make_eval_loader(
     batch_size: int,
     img_size: int,
     crop_fraction: float = 0.875,
+    interpolation: str = "bilinear",
     masks: bool = False,
     boxes: int = 0,
 ) -> DataLoader:
@@ -177,6 +178,7 @@ def make_eval_loader(
         batch_size=batch_size,
         img_size=img_size,
         crop_fraction=crop_fraction,
+        interpolation=interpolation,
         max_skip_fraction=data.max_skip_fraction,
         masks=masks,
         boxes=boxes,

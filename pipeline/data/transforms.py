@@ -111,18 +111,18 @@ def to_hwc(img: Image.Image) -> torch.Tensor:
     return torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).view(img.height, img.width, 3)
 
 
-def resized_crop(img: Image.Image, box: Box, size: int) -> torch.Tensor:
+def resized_crop(img: Image.Image, box: Box, size: int, interpolation: str = "bilinear") -> torch.Tensor:
     """Crop `box` and resize it to size x size -> uint8 [3, size, size].
 
-    Antialiased bilinear in torch's uint8 kernel: the same filter as PIL's BILINEAR resize (within
-    a few levels on a few pixels) at a third to a half of its cost here, reading the crop as it
-    lies in memory ([H, W, 3] is channels-last) with no float copy.
+    Antialiased bilinear (or bicubic: `interpolation`, eval's default) in torch's uint8 kernel: the same
+    filter as PIL's BILINEAR resize (within a few levels on a few pixels) at a third to a half of its cost
+    here, reading the crop as it lies in memory ([H, W, 3] is channels-last) with no float copy.
     """
     crop = img.crop(_int_box(box, img.width, img.height))
     if crop.mode != "RGB":  # grey, CMYK, palette: converted after the crop, on fewer pixels
         crop = crop.convert("RGB")
     crop = to_hwc(crop).permute(2, 0, 1).unsqueeze(0)  # [1, 3, h, w], channels-last
-    return F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0]
+    return F.interpolate(crop, size=(size, size), mode=interpolation, antialias=True, align_corners=False)[0]
 
 
 def to_pil(chw: torch.Tensor) -> Image.Image:
@@ -248,12 +248,14 @@ def mask_crop(mask: Image.Image, box: Box, size: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(crop.tobytes()), dtype=torch.uint8).view(size, size)
 
 
-def _crop_pair(img: Image.Image, mask: Image.Image, box: Box, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _crop_pair(
+    img: Image.Image, mask: Image.Image, box: Box, size: int, interpolation: str = "bilinear"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The crop `box` of an image and of its mask, both resized to size x size, covering the same pixels: the
     mask is cropped where the (possibly reduced-scale) decoded image's whole-pixel crop lies."""
     img, scaled, (sx, sy) = _drafted(img, box, size)
     left, top, right, bottom = _int_box(scaled, img.width, img.height)
-    image = resized_crop(img, (left, top, right, bottom), size)
+    image = resized_crop(img, (left, top, right, bottom), size, interpolation)
     in_mask = (left / sx, top / sy, min(right / sx, mask.width), min(bottom / sy, mask.height))
     return image, mask_crop(mask, in_mask, size)
 
@@ -274,10 +276,15 @@ def train_pair(
 
 
 def eval_pair(
-    img: Image.Image, mask: Image.Image, size: int, crop_fraction: float = 0.875
+    img: Image.Image,
+    mask: Image.Image,
+    size: int,
+    crop_fraction: float = 0.875,
+    interpolation: str = "bilinear",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`eval_tensor` of an image and its class mask: the same centre crop of both."""
-    return _crop_pair(img, mask, center_crop_box(img.width, img.height, size, crop_fraction), size)
+    """`eval_tensor` of an image and its class mask: the same centre crop of both (the mask by nearest)."""
+    box = center_crop_box(img.width, img.height, size, crop_fraction)
+    return _crop_pair(img, mask, box, size, interpolation)
 
 
 def crop_boxes(boxes: np.ndarray, crop: Box, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -298,14 +305,14 @@ def flip_boxes(boxes: np.ndarray) -> np.ndarray:
 
 
 def _crop_with_boxes(
-    img: Image.Image, boxes: np.ndarray, box: Box, size: int
+    img: Image.Image, boxes: np.ndarray, box: Box, size: int, interpolation: str = "bilinear"
 ) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
     """The crop `box` of an image resized to size x size, and its objects' boxes seen through the very
     pixels the (possibly reduced-scale) decoded image's whole-pixel crop covers (`crop_boxes`)."""
     img_w, img_h = img.width, img.height
     img, scaled, (sx, sy) = _drafted(img, box, size)
     left, top, right, bottom = _int_box(scaled, img.width, img.height)
-    image = resized_crop(img, (left, top, right, bottom), size)
+    image = resized_crop(img, (left, top, right, bottom), size, interpolation)
     covered = (left / sx, top / sy, min(right / sx, img_w), min(bottom / sy, img_h))
     return (image, *crop_boxes(boxes, covered, size))
 
@@ -326,10 +333,12 @@ def train_boxes(
     return (image.flip(-1), flip_boxes(out), keep) if flip else (image, out, keep)
 
 
-def eval_boxes(img: Image.Image, boxes: np.ndarray, size: int) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+def eval_boxes(
+    img: Image.Image, boxes: np.ndarray, size: int, interpolation: str = "bilinear"
+) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
     """The whole image resized to size x size (no centre crop: it would cut objects off), with its boxes
     as fractions of it: what a detection eval sees; fractions times the image's own size are its pixels."""
-    return _crop_with_boxes(img, boxes, (0, 0, img.width, img.height), size)
+    return _crop_with_boxes(img, boxes, (0, 0, img.width, img.height), size, interpolation)
 
 
 def train_crop_plan(
@@ -464,11 +473,13 @@ def _antialias_weights(lengths: torch.Tensor, padded: int, size: int) -> torch.T
     return w.div_(w.sum(-1, keepdim=True))
 
 
-def eval_tensor(img: Image.Image, size: int, crop_fraction: float = 0.875) -> torch.Tensor:
+def eval_tensor(
+    img: Image.Image, size: int, crop_fraction: float = 0.875, interpolation: str = "bilinear"
+) -> torch.Tensor:
     """Resize the shorter side to size / crop_fraction and centre crop, in one resampling pass."""
     box = center_crop_box(img.width, img.height, size, crop_fraction)
     img, box = draft_for_box(img, box, size)
-    return resized_crop(img, box, size)
+    return resized_crop(img, box, size, interpolation)
 
 
 _NORM_CONSTANTS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -35,7 +35,7 @@ from pipeline.config import EvalConfig, StageConfig
 from pipeline.data.batching import MASK_IGNORE
 from pipeline.data.loader import make_eval_loader
 from pipeline.data.sources import DatasetInfo, dataset_info
-from pipeline.data.transforms import normalize
+from pipeline.data.transforms import IMAGENET_MEAN, IMAGENET_STD, normalize
 from pipeline.eval.fewshot import fewshot_ridge, linear_probe
 from pipeline.eval.figures import (
     detection_figure,
@@ -93,7 +93,7 @@ def load_model(
             f"kind: eval needs a classifier (forward_features, forward_head): {cfg.model.name} is "
             f"{type(model).__name__}; evaluate the exported encoder's model name instead"
         )
-    meta = init_weights(model, cfg.model.init_from, cfg.model.init_head)
+    meta = init_weights(model, cfg.model.init_from, cfg.model.init_head, cfg.model.name)
     return model.to(device).eval().requires_grad_(False), meta
 
 
@@ -116,14 +116,17 @@ def embed_split(
     with_logits: bool,
     max_batches: int | None = None,
     amp_dtype: torch.dtype | None = None,
+    mean=IMAGENET_MEAN,
+    std=IMAGENET_STD,
 ) -> SplitPass:
-    """Pre-logits (and logits) of every batch the loader yields, up to max_batches."""
+    """Pre-logits (and logits) of every batch the loader yields, up to max_batches; inputs normalised
+    with `mean` and `std` (the stage's data.mean / data.std)."""
     feats, logits, targets, valid, keys = [], [], [], [], []
     images = None
     for i, batch in enumerate(loader):
         if max_batches is not None and i >= max_batches:
             break
-        x = normalize(batch["image"].to(device, non_blocking=True))  # [B, 3, H, W] float32
+        x = normalize(batch["image"].to(device, non_blocking=True), mean, std)  # [B, 3, H, W] float32
         with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
             tokens = model.forward_features(x)  # [B, T, D]
             feats.append(model.forward_head(tokens, pre_logits=True).float().cpu())  # [B, D]
@@ -294,9 +297,13 @@ def evaluate(
             batch_size=batch_size,
             img_size=cfg.model.img_size,
             crop_fraction=e.crop_fraction,
+            interpolation=e.interpolation,
         )
         eval_loader = make_eval_loader(info, cfg.data, **loader_args)
-        test = embed_split(model, eval_loader, ctx.device, with_logits=e.classification, amp_dtype=amp)
+        norm = dict(mean=cfg.data.mean, std=cfg.data.std)
+        test = embed_split(
+            model, eval_loader, ctx.device, with_logits=e.classification, amp_dtype=amp, **norm
+        )
         train = None
         if linear:
             train_info = dataset_info(cfg.data.train, e.train_split, **labels)
@@ -304,7 +311,13 @@ def evaluate(
             cap = e.fewshot_max_train
             max_batches = math.ceil(cap / (ctx.world_size * batch_size)) if cap else None
             train = embed_split(
-                model, train_loader, ctx.device, with_logits=False, max_batches=max_batches, amp_dtype=amp
+                model,
+                train_loader,
+                ctx.device,
+                with_logits=False,
+                max_batches=max_batches,
+                amp_dtype=amp,
+                **norm,
             )
 
         # -- classification: masked sums all-reduced; mAP from the gathered rows
@@ -425,6 +438,7 @@ def evaluate_segmentation(
             batch_size=batch_size,
             img_size=cfg.model.img_size,
             crop_fraction=e.crop_fraction,
+            interpolation=e.interpolation,
             masks=True,
         )
         conf = torch.zeros(num_classes, num_classes, dtype=torch.int64)
@@ -432,7 +446,7 @@ def evaluate_segmentation(
         shown: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (image, true, predicted) rows
         with torch.no_grad():
             for batch in loader:
-                x = normalize(batch["image"].to(ctx.device, non_blocking=True))
+                x = normalize(batch["image"].to(ctx.device, non_blocking=True), cfg.data.mean, cfg.data.std)
                 with torch.autocast(ctx.device.type, dtype=amp or torch.float32, enabled=amp is not None):
                     pred = model(x).argmax(1)  # [B, H, W] on the device
                 valid, target = batch["valid"], batch["mask"]
@@ -528,6 +542,7 @@ def evaluate_detection(
             world_size=ctx.world_size,
             batch_size=batch_size,
             img_size=cfg.model.img_size,
+            interpolation=e.interpolation,
             boxes=model.num_queries,
         )
         rows: list[tuple] = []  # (key, true boxes, true classes, (w, h), boxes, scores, classes) per image
@@ -536,7 +551,7 @@ def evaluate_detection(
         ] = []  # (image, (true xyxy, classes), (predicted xyxy, scores, classes)) for the figure
         with torch.no_grad():
             for batch in loader:
-                x = normalize(batch["image"].to(ctx.device, non_blocking=True))
+                x = normalize(batch["image"].to(ctx.device, non_blocking=True), cfg.data.mean, cfg.data.std)
                 with torch.autocast(ctx.device.type, dtype=amp or torch.float32, enabled=amp is not None):
                     logits, boxes = model(x)
                 scores, labels, found = (t.cpu() for t in detections(logits[-1], boxes[-1]))

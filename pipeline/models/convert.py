@@ -11,6 +11,9 @@ full list of missing and unexpected keys instead of loading half a model.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -19,6 +22,76 @@ from pipeline.models.vit import VisionTransformer
 
 # Keys that published pretraining checkpoints carry and a plain ViT has no use for.
 _IGNORED_PREFIXES = ("decoder_", "mask_token")
+
+# Published names of our models: timm's (without the resolution suffix), DeiT's and MAE's file names. A
+# checkpoint file or folder so named (or a timm folder whose config.json names its architecture) is checked
+# against model.name before loading; an export records the timm name of its model (`timm_name`).
+TIMM_NAMES: dict[str, str] = {
+    "vit_tiny_patch16": "vit_ti16",
+    "vit_small_patch16": "vit_s16",
+    "vit_base_patch16": "vit_b16",
+    "vit_base_patch32": "vit_b32",
+    "vit_large_patch16": "vit_l16",
+    "vit_large_patch32": "vit_l32",
+    "vit_huge_patch14": "vit_h14",
+    "vit_giant_patch14": "vit_g14",
+    "vit_gigantic_patch14": "vit_G14",
+    "deit_tiny_patch16": "vit_ti16",
+    "deit_small_patch16": "vit_s16",
+    "deit_base_patch16": "vit_b16",
+    "deit_tiny_distilled_patch16": "vit_ti16",  # with the distillation token: objective distill
+    "deit_small_distilled_patch16": "vit_s16",
+    "deit_base_distilled_patch16": "vit_b16",
+    "mae_pretrain_vit_base": "vit_b16",  # MAE's encoders (the decoder is dropped)
+    "mae_pretrain_vit_large": "vit_l16",
+    "mae_pretrain_vit_huge": "vit_h14",
+    "mae_finetuned_vit_base": "vit_b16",
+    "mae_finetuned_vit_large": "vit_l16",
+    "mae_finetuned_vit_huge": "vit_h14",
+}
+# Our wrappers of a ViT (their encoder is what a public ViT checkpoint initialises).
+_WRAPPERS = ("mae_", "mpp_", "setr_pup_", "setr_naive_", "detr_")
+
+
+def published_name(path: str) -> str | None:
+    """The TIMM_NAMES key a checkpoint at `path` is published under: a timm folder's config.json
+    `architecture` (beside the weights), else the file's or folder's name ("deit_base_patch16_224-b5f2ef4d.pth",
+    "vit_base_patch16_224.augreg_in21k", "mae_pretrain_vit_base.pth"); None for any other name."""
+    p = Path(str(path).split("?", 1)[0])
+    names = []
+    config = (p if p.is_dir() else p.parent) / "config.json"
+    if "://" not in str(path) and config.is_file():
+        try:
+            names.append(str(json.loads(config.read_text()).get("architecture") or ""))
+        except (json.JSONDecodeError, OSError, AttributeError):
+            pass
+    names += [p.name, p.parent.name] if p.suffix else [p.name]
+    for name in names:
+        found = [k for k in TIMM_NAMES if name == k or name.startswith((f"{k}_", f"{k}-", f"{k}."))]
+        if found:
+            return max(found, key=len)
+    return None
+
+
+def check_published_architecture(path: str, model_name: str) -> None:
+    """Refuse a public checkpoint whose published name is another model than `model_name` (the encoder of a
+    wrapper: mae_vit_b16 and setr_pup_vit_b16 take vit_b16's), naming both, before any tensor is compared."""
+    published = published_name(path)
+    if published is None:
+        return
+    base = next((model_name.removeprefix(w) for w in _WRAPPERS if model_name.startswith(w)), model_name)
+    if TIMM_NAMES[published] != base:
+        raise ValueError(
+            f"model.init_from {path} is {published} (our {TIMM_NAMES[published]}), but model.name is "
+            f"{model_name}: set model.name: {TIMM_NAMES[published]} (img_size as you train; position "
+            "embeddings are resampled)"
+        )
+
+
+def timm_name(model_name: str, img_size: int) -> str | None:
+    """timm's name of our plain ViT `model_name` at `img_size` (vit_b16, 224 -> vit_base_patch16_224)."""
+    found = next((k for k, v in TIMM_NAMES.items() if v == model_name and k.startswith("vit_")), None)
+    return f"{found}_{img_size}" if found else None
 
 
 class CheckpointMismatch(KeyError):

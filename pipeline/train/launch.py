@@ -78,7 +78,7 @@ def _free_port() -> int:
 
 
 def run_rank(
-    cfg: StageConfig, report: Callable[[dict], None] | None = None, parent_run_id: str | None = None
+    cfg: StageConfig, report: Callable[..., None] | None = None, parent_run_id: str | None = None
 ) -> StageResult | dict[str, float]:
     """This rank's part of the stage, in a process group the launcher set up (torchrun, Ray Train, or
     launch_local): the training loop's result, or an eval stage's metrics (`kind: eval`)."""

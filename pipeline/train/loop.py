@@ -40,7 +40,7 @@ from pipeline.models import create_model
 from pipeline.models.flops import estimate_mfu, flops_per_image
 from pipeline.models.layers import checkpointed_fraction
 from pipeline.objectives import build_objective
-from pipeline.stage import init_weights, model_kwargs, open_stage, output_classes
+from pipeline.stage import init_weights, model_kwargs, open_stage, output_classes, preprocessing_of
 from pipeline.train import checkpoint
 from pipeline.train.engine import build_engine, consolidated_state_dict, peak_lr
 from pipeline.train.export import export_weights
@@ -209,8 +209,10 @@ def saved_deal(restored: checkpoint.Restored, saved: dict | None, shape: tuple[i
 
 
 def train(
-    cfg: StageConfig, report: Callable[[dict], None] | None = None, parent_run_id: str | None = None
+    cfg: StageConfig, report: Callable[..., None] | None = None, parent_run_id: str | None = None
 ) -> StageResult:
+    """This rank's part of a training stage. `report(metrics, pointer=None)`, from the launcher (Ray Train), is
+    called once at the end on every rank; on rank 0 `pointer` says where the export is."""
     # -- distributed set-up, seeds, RUN_DIR/config.yaml
     stage = open_stage(cfg)
     cfg, ctx, run_path = stage.cfg, stage.ctx, stage.run_path
@@ -220,11 +222,11 @@ def train(
     info = dataset_info(
         cfg.data.train, "train", num_classes=cfg.data.num_classes, multi_label=cfg.data.multi_label
     )
-    objective = build_objective(cfg.objective)
+    objective = build_objective(cfg.objective, cfg.data.mean, cfg.data.std)
     kwargs = model_kwargs(cfg, output_classes(cfg, info))
     model = create_model(cfg.model.name, **kwargs)
     if cfg.model.init_from:
-        init_weights(model, cfg.model.init_from, cfg.model.init_head)
+        init_weights(model, cfg.model.init_from, cfg.model.init_head, cfg.model.name)
     flops_img = _flops_per_image(model)
     num_params = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them
 
@@ -431,7 +433,12 @@ def train(
                     try:
                         export_path = str(
                             export_weights(
-                                state, cfg.model.name, kwargs, run_path / "export", cfg.optim.steps
+                                state,
+                                cfg.model.name,
+                                kwargs,
+                                run_path / "export",
+                                cfg.optim.steps,
+                                preprocessing=preprocessing_of(cfg),
                             )
                         )
                         if store is not None:  # the next stage may run on other machines: it reads this copy
@@ -449,10 +456,18 @@ def train(
         result = StageResult(
             cfg.optim.steps, last_loss, str(final_dir), tracker.run_id, export_path, stopped_early, losses
         )
-        if report is not None:
+        if report is not None:  # every rank; rank 0 with where the export is (the launcher's checkpoint)
+            pointer = None
+            if ctx.is_main and export_path:
+                pointer = {
+                    "export": str(Path(export_path).parent),
+                    "export_uri": child(cfg.checkpoint.uri, "export") if store is not None else None,
+                    "model": cfg.model.name,
+                    "step": cfg.optim.steps,
+                }
             report(
-                {"final_loss": last_loss, "steps": cfg.optim.steps, "stopped_early": stopped_early}
-            )  # every rank
+                {"final_loss": last_loss, "steps": cfg.optim.steps, "stopped_early": stopped_early}, pointer
+            )
     dist.barrier()
     return result
 
