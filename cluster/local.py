@@ -281,7 +281,7 @@ def stop(cluster: LocalCluster | None = None) -> None:
     _terminate(Path(cluster.temp_dir, "session_latest").resolve().name)  # session_2026-..._PID
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m cluster.local", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("start")
@@ -302,7 +302,11 @@ def main(argv: list[str] | None = None) -> int:
         "a rehearsal of nodes that share no disk",
     )
     sub.add_parser("stop")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.cmd == "start":
         c = start_head(args.temp_dir, args.num_cpus, node_ip=args.node_ip_address)
         for i in range(args.worker_nodes):
