@@ -64,6 +64,7 @@ bench: setup
 	$(PY) bench/s3_read.py --out bench/results/s3_read.json
 	$(PY) bench/multinode.py --out bench/results/multinode.json
 	$(PY) bench/gpu.py --cpu-compile --out bench/results/compile-cpu.json
+	$(PY) bench/demo.py --out bench/results/demo.json
 
 # For a GPU node without network (docs/gpu.md): the wheels the project needs beside the node's own CUDA torch,
 # for this machine's Python minor and platform. tools/wheelhouse.py --help builds for another target.
