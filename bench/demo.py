@@ -53,7 +53,7 @@ def main() -> None:
                 **({"final_loss": metrics["train/loss"]} if "train/loss" in metrics else {}),
                 "data_mean": saved["data"]["mean"],
                 "eval_interpolation": saved["eval"]["interpolation"],
-                "steps": int(params.get("optim.steps", 0)) or None,
+                **({"steps": int(params["optim.steps"])} if name in TRAIN_STAGES else {}),
             }
     result = {
         "bench": "demo",
