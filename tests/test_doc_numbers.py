@@ -1,0 +1,167 @@
+"""Measured numbers in README and docs/ agree with the result files and tables they come from.
+
+Each claim below is a sentence of a document (a regular expression whose groups are the numbers) and where
+each number comes from: a value of `bench/results/*.json` (rewritten by `make bench`), or the table of
+another document that reports the experiment. A benchmark rerun that moves a number, or a sentence edited
+alone, fails here with both values named. Numbers stated with the commit that measured them (earlier
+runs) are history and not checked.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench/results"
+
+
+def result(name: str, path: str) -> Callable[[], float]:
+    """The value at dotted `path` of bench/results/NAME."""
+
+    def get() -> float:
+        node = json.loads((RESULTS / name).read_text())
+        for key in path.split("."):
+            node = node[key]
+        return float(node)
+
+    get.__doc__ = f"bench/results/{name}: {path}"
+    return get
+
+
+def derived(doc: str, fn: Callable[[], float]) -> Callable[[], float]:
+    fn.__doc__ = doc
+    return fn
+
+
+def _compile_s() -> float:
+    cases = json.loads((RESULTS / "compile-cpu.json").read_text())["cases"]
+    return cases["vit_s16_64px_compiled"]["warmup_s"] - cases["vit_s16_64px"]["warmup_s"]
+
+
+def _minutes_seconds(shown: str) -> float:
+    m, s = re.fullmatch(r"(\d+)m(\d+)s", shown).groups()
+    return int(m) * 60 + int(s)
+
+
+# (document, sentence with one group per number, where each number comes from)
+CLAIMS = [
+    (
+        "README.md",
+        r"Loader: (\d+\.\d+)x the plain webdataset",
+        [result("loader.json", "speedup_vs_plain_full.full")],
+    ),
+    (
+        "README.md",
+        r"(\d+\.\d+)x on shards stored at\s+256 px",
+        [result("loader.json", "speedup_vs_plain_full.small")],
+    ),
+    ("README.md", r"median of (\d+) rounds, 2-core machine", [result("loader.json", "config.repeats")]),
+    (
+        "README.md",
+        r"ZeRO-3 holds (\d+\.\d+)x the model-state bytes of ZeRO-0",
+        [result("zero_memory.json", "ratio_zero3_over_zero0")],
+    ),
+    (
+        "docs/cluster.md",
+        r"ZeRO-3 holds (\d+\.\d+)x of ZeRO-0",
+        [result("zero_memory.json", "ratio_zero3_over_zero0")],
+    ),
+    (
+        "README.md",
+        r"`bench/results/compile-cpu.json` holds the (\d+\.\d+) run",
+        [result("compile-cpu.json", "compiled_over_eager_images_per_s")],
+    ),
+    (
+        "README.md",
+        r"per block the stored run\s+compiled for about (\d+) s",
+        [derived("compile-cpu.json: compiled warm-up minus eager warm-up", _compile_s)],
+    ),
+    (
+        "docs/gpu.md",
+        r"MFU ViT-B/16 >= (0\.\d+), ViT-H/14 >= (0\.\d+), MAE-H/14 >= (0\.\d+)",
+        [
+            result("compile-cpu.json", "goals.vit_b16.mfu_goal"),
+            result("compile-cpu.json", "goals.vit_h14.mfu_goal"),
+            result("compile-cpu.json", "goals.mae_vit_h14.mfu_goal"),
+        ],
+    ),
+    (
+        "README.md",
+        r"Measured on a 2-core machine without a GPU \([^)]*\): (\d+m\d+s) after set-up",
+        [result("demo.json", "wall_s")],
+    ),
+    (
+        "README.md",
+        r"digits top-1 (\d\.\d+) after MAE pretraining against (\d\.\d+) from scratch, few-shot 10-shot (\d\.\d+) and\s+(\d\.\d+)",
+        [
+            result("demo.json", "top1.finetune"),
+            result("demo.json", "top1.finetune_scratch"),
+            result("demo.json", "fewshot_10shot.finetune"),
+            result("demo.json", "fewshot_10shot.finetune_scratch"),
+        ],
+    ),
+]
+
+# (document, sentence quoting an experiment's result, the document whose table reports it)
+QUOTES = [
+    ("README.md", r"\(500 steps:\s+(\d\.\d+ ± \d\.\d+) against (\d\.\d+ ± \d\.\d+)\)", "docs/pretraining.md"),
+    ("README.md", r"AP@\[\.5:\.95\] (\d\.\d+ ± \d\.\d+) from the MAE encoder", "docs/detection.md"),
+    ("README.md", r"against (\d\.\d+ ± \d\.\d+) from scratch, where two of three", "docs/detection.md"),
+]
+
+
+def _matches(doc: str, pattern: str) -> list[re.Match]:
+    """Where `pattern` is in `doc`, once; a space in it matches any run of whitespace (lines wrap)."""
+    found = list(re.finditer(pattern.replace(" ", r"\s+"), (ROOT / doc).read_text()))
+    assert len(found) == 1, f"{doc}: expected the sentence /{pattern}/ once, found it {len(found)} times"
+    return found
+
+
+@pytest.mark.parametrize("doc, pattern, sources", CLAIMS, ids=[f"{d}:{p[:40]}" for d, p, _ in CLAIMS])
+def test_a_measured_number_is_its_result_files(doc, pattern, sources):
+    (match,) = _matches(doc, pattern)
+    assert len(match.groups()) == len(sources)
+    for shown, source in zip(match.groups(), sources):
+        value = source()
+        if "m" in shown:  # 4m14s
+            assert abs(_minutes_seconds(shown) - value) < 1.0, (
+                f"{doc}: {shown}, but {source.__doc__} is {value:.1f} s"
+            )
+            continue
+        digits = len(shown.partition(".")[2])
+        assert abs(float(shown) - value) <= 0.5 * 10**-digits + 1e-9, (
+            f"{doc}: {shown}, but {source.__doc__} is {value} ({round(value, digits)} at the digits shown): "
+            "rerun the benchmark or correct the sentence"
+        )
+
+
+@pytest.mark.parametrize("doc, pattern, table", QUOTES, ids=[f"{d}:{p[:40]}" for d, p, _ in QUOTES])
+def test_a_quoted_result_is_in_the_table_that_reports_it(doc, pattern, table):
+    (match,) = _matches(doc, pattern)
+    rows = [line for line in (ROOT / table).read_text().splitlines() if line.startswith("|")]
+    for shown in match.groups():
+        assert any(shown in row for row in rows), f"{doc} quotes {shown}, which no table row of {table} shows"
+
+
+def test_the_loader_cost_per_core_range_holds_the_measured_one():
+    (match,) = _matches("README.md", r"costs about (\d+)-(\d+) images/s per CPU core")
+    low, high = map(int, match.groups())
+    measured = result("loader.json", "images_per_cpu_s.plain_full")()
+    assert low <= measured <= high, f"README says {low}-{high} images/s per core; loader.json: {measured}"
+
+
+def test_every_result_file_a_claim_reads_exists():
+    named = {
+        re.search(r"bench/results/(\S+):", s.__doc__).group(1)
+        for _, _, srcs in CLAIMS
+        for s in srcs
+        if s.__doc__.startswith("bench")
+    }
+    assert named <= {p.name for p in RESULTS.glob("*.json")}, named
