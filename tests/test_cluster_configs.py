@@ -16,17 +16,110 @@ def test_cluster_launcher_yaml():
     start = " ".join(cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"])
     assert "RAY_AUTH_MODE=token" in start and "--dashboard-host=127.0.0.1" in start
     assert any("auth_token" in k for k in cfg["file_mounts"])
+    # The GPU nodes: one cluster placement group, EFA on all 32 network cards of a p5.48xlarge, and NCCL on
+    # EFA in the environment the training workers inherit from their raylet.
+    gpu = cfg["available_node_types"]["gpu_worker"]["node_config"]
+    assert gpu["InstanceType"] == "p5.48xlarge" and gpu["Placement"]["GroupName"]
+    cards = gpu["NetworkInterfaces"]
+    assert [c["NetworkCardIndex"] for c in cards] == list(range(32)) and {
+        c["InterfaceType"] for c in cards
+    } == {"efa"}
+    assert [c["DeviceIndex"] for c in cards] == [0] + [1] * 31
+    worker_start = cfg["worker_start_ray_commands"][-1]
+    assert (
+        "FI_PROVIDER=efa" in worker_start
+        and "ofi-nccl" in worker_start
+        and "RAY_AUTH_MODE=token" in worker_start
+    )
 
 
-def test_kuberay_rayjob_manifest():
-    job = yaml.safe_load((CONFIGS / "kuberay-rayjob.yaml").read_text())
+SCHEMA = Path(__file__).parent / "data" / "kuberay-v1.6.2-rayjob.schema.json.gz"
+
+
+def _strict(schema):
+    """The CRD's schema with unknown fields refused (the API server prunes them silently, `kubectl apply`
+    refuses them): every object that lists its properties and does not keep unknown fields."""
+    if isinstance(schema, dict):
+        out = {k: _strict(v) for k, v in schema.items()}
+        if "properties" in out and "additionalProperties" not in out:
+            if not out.get("x-kubernetes-preserve-unknown-fields"):
+                out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [_strict(v) for v in schema]
+    return schema
+
+
+def _manifests() -> dict[str, dict]:
+    docs = list(yaml.safe_load_all((CONFIGS / "kuberay-rayjob.yaml").read_text()))
+    return {d["kind"]: d for d in docs}
+
+
+def test_kuberay_rayjob_validates_against_the_operators_crd():
+    """The RayJob against KubeRay v1.6.2's CRD schema (tests/data: its openAPIV3Schema), unknown fields
+    refused; a field the operator does not know fails here, naming its path."""
+    import gzip
+    import json
+
+    import jsonschema
+
+    vendored = json.loads(gzip.decompress(SCHEMA.read_bytes()))
+    assert (
+        "kuberay v1.6.2" in vendored["source"]
+        and "operator v1.6.2" in (CONFIGS / "kuberay-rayjob.yaml").read_text()
+    )
+    validator = jsonschema.Draft7Validator(_strict(vendored["schema"]))
+    job = _manifests()["RayJob"]
+    errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(job)]
+    assert not errors, errors
+    broken = json.loads(json.dumps(job))
+    broken["spec"]["rayClusterSpec"]["authOptions"]["mode"] = "tokens"
+    broken["spec"]["rayClusterSpec"]["headGroupSpec"]["rayStartParam"] = {}
+    found = " | ".join(e.message for e in validator.iter_errors(broken))
+    assert "'tokens' is not one of" in found and "'rayStartParam' was unexpected" in found, found
+
+
+def test_kuberay_manifests_keep_token_auth_and_the_network_closed():
+    m = _manifests()
+    assert set(m) == {"PersistentVolumeClaim", "RayJob", "Deployment", "Service", "NetworkPolicy"}
+    job = m["RayJob"]
     assert job["kind"] == "RayJob" and job["apiVersion"] == "ray.io/v1"
     assert job["spec"]["entrypoint"].startswith("python -m cluster.run configs/experiments/")
     assert (Path(__file__).parents[1] / job["spec"]["entrypoint"].split()[3]).is_file()
-    head = job["spec"]["rayClusterSpec"]["headGroupSpec"]
-    assert head["rayStartParams"]["dashboard-host"] == "127.0.0.1"
-    env = {e["name"]: e for e in head["template"]["spec"]["containers"][0]["env"]}
-    assert env["RAY_AUTH_MODE"]["value"] == "token" and "secretKeyRef" in env["RAY_AUTH_TOKEN"]["valueFrom"]
+    spec = job["spec"]["rayClusterSpec"]
+    assert spec["authOptions"] == {"mode": "token", "secretName": "ray-auth-token"}
+    assert job["spec"]["submissionMode"] == "SidecarMode"
+    groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+    label = {"app.kubernetes.io/part-of": "vitpipe"}
+    for group in groups:  # every Ray pod is one the NetworkPolicy selects, and mounts the shared volume
+        pod = group["template"]
+        assert pod["metadata"]["labels"] == label
+        claims = {
+            v["persistentVolumeClaim"]["claimName"]
+            for v in pod["spec"]["volumes"]
+            if "persistentVolumeClaim" in v
+        }
+        assert claims == {m["PersistentVolumeClaim"]["metadata"]["name"]}
+        for container in pod["spec"]["containers"]:  # the token comes from authOptions, never inline
+            assert not any(
+                e.get("name") == "RAY_AUTH_TOKEN" and "value" in e for e in container.get("env", [])
+            )
+    assert m["PersistentVolumeClaim"]["spec"]["accessModes"] == ["ReadWriteMany"]
+    for worker in spec["workerGroupSpecs"]:
+        volumes = {v["name"]: v for v in worker["template"]["spec"]["volumes"]}
+        mounts = {
+            v["mountPath"]: v["name"]
+            for c in worker["template"]["spec"]["containers"]
+            for v in c["volumeMounts"]
+        }
+        assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"  # loader workers' shared memory
+    policy = m["NetworkPolicy"]["spec"]
+    assert policy["podSelector"]["matchLabels"] == label and policy["policyTypes"] == ["Ingress"]
+    for rule in policy["ingress"]:
+        source = rule["from"][0]
+        assert source.get("podSelector", {}).get("matchLabels") == label or rule["ports"] == [{"port": 8265}]
+    assert m["Service"]["spec"]["type"] == "ClusterIP"  # nothing published outside the cluster
+    assert m["Deployment"]["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/part-of"] == "vitpipe"
 
 
 # ---------------------------------------------------------------------- one dependency list
