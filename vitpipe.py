@@ -28,7 +28,9 @@ def _train(args: argparse.Namespace) -> int:
             print(f"training failed: {error}", file=sys.stderr)
             return 1
         if result.checkpoint is not None:  # a pointer to the export (cluster.run.report)
-            print(f"Ray Train checkpoint: {result.checkpoint.path} (export.json: where the export is)")
+            kind = getattr(result.checkpoint.filesystem, "type_name", "local")
+            where = result.checkpoint.path if kind == "local" else f"{kind}://{result.checkpoint.path}"
+            print(f"Ray Train checkpoint: {where} (export.json: where the export is)")
     else:
         from pipeline.train.launch import launch_local
 

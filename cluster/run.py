@@ -142,6 +142,16 @@ def _start_private_ray() -> None:
             os.environ[RAY_MULTI_NODE_SWITCH] = before
 
 
+def _ray_storage(cfg: StageConfig) -> dict:
+    """Where Ray Train keeps its run state and the stage's pointer checkpoint (`report`): every node writes
+    there. The stage's object storage when it has one (nodes that may share no disk), else RUN_DIR/ray, which
+    every node sees (check_nodes_see refuses a run_dir one lacks)."""
+    if not cfg.checkpoint.uri:
+        return {"storage_path": str(cfg.run_path / "ray")}
+    store = Store(cfg.checkpoint.uri)
+    return {"storage_path": f"{store.root}/ray", "storage_filesystem": store.fs}
+
+
 def run_stage(cfg: StageConfig, parent_run_id: str | None = None):
     """One stage on Ray Train workers. Returns ray.train.Result.
 
@@ -172,9 +182,7 @@ def run_stage(cfg: StageConfig, parent_run_id: str | None = None):
         # the store listens on rank 0's node address, not on every interface (cluster.process_group)
         torch_config=NodeAddressTorchConfig(backend="nccl" if c.use_gpu else "gloo"),
         run_config=RunConfig(
-            name=cfg.name,
-            storage_path=str(cfg.run_path / "ray"),
-            failure_config=FailureConfig(max_failures=c.max_failures),
+            name=cfg.name, failure_config=FailureConfig(max_failures=c.max_failures), **_ray_storage(cfg)
         ),
     )
     return trainer.fit()

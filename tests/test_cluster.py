@@ -164,11 +164,16 @@ def test_a_killed_node_recovers_with_the_weights_of_an_uninterrupted_run(
     for name in ("straight", "killed"):
         (tmp_path / name).mkdir()
     straight = s3("nodekill/straight")
-    cli(
+    proc = cli(
         *_train_across_nodes(
             ray_cluster, head_disk / "straight", smoke_dataset, straight, tmp_path / "straight/m.db"
         )
     )
+    # Ray Train's Result.checkpoint: with storage, in the bucket (the nodes share no disk), pointing at the export
+    found = re.search(r"Ray Train checkpoint: s3://ckpt/nodekill/straight/(ray/smoke/\S+)", proc.stdout)
+    assert found, proc.stdout[-2000:]
+    pointer = json.loads(Store(straight).read_bytes(f"{found.group(1)}/export.json"))
+    assert pointer["export_uri"] == child(straight, "export") and pointer["step"] == 16
     killed = s3("nodekill/killed")
     cmd = _train_across_nodes(
         ray_cluster,

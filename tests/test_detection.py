@@ -589,8 +589,9 @@ def test_detr_trains_from_an_mae_encoder_under_every_zero_stage_and_reports_box_
     for z in (1, 2, 3):  # the same fp32 model and batches: ZeRO partitions the work, not the result...
         assert losses[z][:8] == pytest.approx(losses[0][:8], rel=2e-3), z
         # ...but the matching is discrete: once ZeRO's other reduction order (~1e-6) flips one assignment the
-        # runs part a little (measured: up to 1.6% by step 30)
-        assert losses[z] == pytest.approx(losses[0], rel=5e-2), z
+        # runs are two trajectories, apart by 1.6% by step 30 on one machine and 12% on another (2026-12-03,
+        # the same code): from there each must still learn, not follow ZeRO-0 step for step
+        assert_loss_fell(losses[z], f"detection ZeRO-{z}")
     # stopped at step 15 and resumed: the same losses and weights as the uninterrupted ZeRO-3 run
     assert history(tmp_path / "det_resumed") == history(tmp_path / "det_zero3")
     resumed, straight = weights(tmp_path / "det_resumed"), weights(tmp_path / "det_zero3")
@@ -636,4 +637,5 @@ def test_detr_trains_from_an_mae_encoder_under_every_zero_stage_and_reports_box_
     )
     assert proc.returncode == 0, proc.stderr
     header, row = proc.stdout.strip().splitlines()[:2]
-    assert "eval/box_map" in header and f"{metrics['eval/box_map']:.4f}"[:5] in row
+    shown = dict(zip(header.split(","), row.split(",")))  # full-precision numbers (csv)
+    assert float(shown["eval/box_map"]) == pytest.approx(metrics["eval/box_map"], abs=1e-9), (header, row)

@@ -48,7 +48,10 @@ LAZY_IMPORTS_IN = {
     + _CONFIG_WITHOUT_TORCH,
     ("pipeline.config", "webdataset"): "expands a local shard pattern the way the loader does, to check the "
     "files exist before anything starts (webdataset imports torch); " + _CONFIG_WITHOUT_TORCH,
-    ("cluster.submit", "cluster.preflight"): "imports Ray and the data stack (seconds); every vitpipe command "
+    (
+        "cluster.submit",
+        "cluster.preflight",
+    ): "imports Ray and the data stack (seconds); every vitpipe command "
     "imports cluster.submit, and only a submit whose dataset is a local path asks the cluster's nodes",
 }
 
