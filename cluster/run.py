@@ -210,7 +210,9 @@ def finished(cfg: StageConfig) -> str | None:
 
 def mark_finished(cfg: StageConfig, record: dict) -> None:
     """The stage's finish, recorded on this disk and, with storage, beside its stored checkpoints: a
-    resubmission after every node's disk is gone skips it too (its export is in storage as well)."""
+    resubmission after every node's disk is gone skips it too (its export is in storage as well). The
+    stage's folder may not exist on this disk: with storage, its workers may all have run on other nodes."""
+    cfg.run_path.mkdir(parents=True, exist_ok=True)
     atomic.write_json(
         cfg.run_path / DONE, record
     )  # its presence marks the stage finished: never half written

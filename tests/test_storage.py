@@ -125,3 +125,21 @@ def test_a_stop_request_reaches_rank_0_through_the_bucket_and_is_cleared_before_
     clear_stop(cfg)
     assert not (cfg.run_path / STOP_FILE).exists() and not Store(uri).exists(STOP_FILE)
     assert not StopRequest(elsewhere, Store(uri)).requested
+
+
+@pytest.mark.unit
+def test_a_stage_that_ran_on_other_nodes_is_marked_finished_on_this_disk_and_in_the_bucket(s3, tmp_path):
+    """With storage, every worker of a stage may run on other nodes: the driver's disk then has no folder for
+    the stage (seen in CI: an eval stage whose ranks were both on the second node). Its finish is recorded
+    anyway, on this disk and in the bucket, and a resubmission finds it in either."""
+    from cluster.run import DONE, finished, mark_finished
+    from pipeline.config import load_config
+
+    uri = s3("exp/elsewhere")
+    cfg = load_config(SMOKE, [f"run_dir={tmp_path / 'never_made' / 'stage'}", f"checkpoint.uri={uri}"])
+    assert not cfg.run_path.exists()
+    mark_finished(cfg, {"stage": "smoke"})
+    assert json.loads((cfg.run_path / DONE).read_text()) == {"stage": "smoke"} and Store(uri).exists(DONE)
+    assert finished(cfg) == str(cfg.run_path / DONE)
+    (cfg.run_path / DONE).unlink()  # this node's disk lost: the bucket still says so
+    assert finished(cfg) == child(uri, DONE)
