@@ -73,13 +73,18 @@ def published_name(path: str) -> str | None:
     return None
 
 
+def encoder_name(model_name: str) -> str:
+    """The plain ViT inside one of our wrappers (mae_vit_b16, setr_pup_vit_b16 -> vit_b16); others as given."""
+    return next((model_name.removeprefix(w) for w in _WRAPPERS if model_name.startswith(w)), model_name)
+
+
 def check_published_architecture(path: str, model_name: str) -> None:
     """Refuse a public checkpoint whose published name is another model than `model_name` (the encoder of a
     wrapper: mae_vit_b16 and setr_pup_vit_b16 take vit_b16's), naming both, before any tensor is compared."""
     published = published_name(path)
     if published is None:
         return
-    base = next((model_name.removeprefix(w) for w in _WRAPPERS if model_name.startswith(w)), model_name)
+    base = encoder_name(model_name)
     if TIMM_NAMES[published] != base:
         raise ValueError(
             f"model.init_from {path} is {published} (our {TIMM_NAMES[published]}), but model.name is "
@@ -110,7 +115,7 @@ class CheckpointMismatch(KeyError):
         return self.args[0]
 
 
-def _strip(state_dict: dict) -> dict[str, torch.Tensor]:
+def unwrap_state_dict(state_dict: dict) -> dict[str, torch.Tensor]:
     """Unwrap {'model': ...} / {'state_dict': ...} and DDP's `module.` prefix."""
     for key in ("model", "state_dict"):
         if key in state_dict and isinstance(state_dict[key], dict):
@@ -129,7 +134,7 @@ def load_timm_state_dict(
     strict_head=False drops `head.*` / `head_dist.*` of another class count (fine-tuning a new head);
     reset_head=True keeps the model's own freshly initialised heads whatever the checkpoint holds.
     """
-    sd = {k: v for k, v in _strip(state_dict).items() if not k.startswith(_IGNORED_PREFIXES)}
+    sd = {k: v for k, v in unwrap_state_dict(state_dict).items() if not k.startswith(_IGNORED_PREFIXES)}
     own = model.state_dict()
     if reset_head:
         sd = {k: v for k, v in sd.items() if not k.startswith(("head.", "head_dist."))}

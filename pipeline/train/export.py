@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from data_prep import atomic
 from data_prep.storage import Store, is_uri
 from pipeline.models import create_model
-from pipeline.models.convert import timm_name
+from pipeline.models.convert import encoder_name, timm_name, unwrap_state_dict
 
 WEIGHTS, META = "model.safetensors", "model.json"
 
@@ -53,8 +53,7 @@ def export_weights(
     grid = getattr(plain, "grid_size", None)  # a plain ViT's: its timm name (timm.create_model takes it)
     patch = getattr(getattr(plain, "patch_embed", None), "patch_size", None)
     if grid is not None and grid[0] == grid[1] and isinstance(patch, int):
-        base = model_name.split("_", 1)[1] if exported == "encoder" else model_name  # mae_vit_b16 -> vit_b16
-        found = timm_name(base, grid[0] * patch)
+        found = timm_name(encoder_name(model_name), grid[0] * patch)
         if found:
             meta["timm_name"] = found
     atomic.write_json(out_dir / META, meta, indent=2, default=str)
@@ -118,12 +117,10 @@ def load_exported(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
             state = torch.load(weights, map_location="cpu", weights_only=True)
     except Exception as exc:  # pickle's errors name nothing; this names the file
         raise ValueError(f"{weights}: not a PyTorch state dict that loads without code ({exc})") from None
-    for key in ("model", "state_dict", "module"):  # the checkpoint's wrapper, as DeiT and MAE save it
-        if isinstance(state, dict) and isinstance(state.get(key), dict):
-            state = state[key]
+    state = unwrap_state_dict(state) if isinstance(state, dict) else state  # DeiT's and MAE's {"model": ...}
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ValueError(f"{weights}: expected a state dict (name -> tensor), found {type(state).__name__}")
-    return {k.removeprefix("module."): v for k, v in state.items()}, meta
+    return state, meta
 
 
 def _weights_in(folder: Path) -> Path:
