@@ -36,6 +36,8 @@ import obstore
 import pyarrow.fs as pafs
 from obstore.store import S3Store
 
+from data_prep import atomic
+
 log = logging.getLogger(__name__)
 
 
@@ -340,6 +342,21 @@ class Store:
         """The URI of `rel` without its query (what a message names)."""
         base = self.uri.split("?", 1)[0].rstrip("/")
         return f"{base}/{rel}" if rel else base
+
+    def download_file(self, rel: str, local: Path) -> Path:
+        """Copy the file `rel` to `local` atomically (whole or absent); FileNotFoundError where there is none."""
+        if self.size(rel) is None:
+            raise FileNotFoundError(self.describe(rel))
+        local.parent.mkdir(parents=True, exist_ok=True)
+        with atomic.writing(local) as tmp:
+            pafs.copy_files(
+                self._path(rel),
+                str(tmp),
+                source_filesystem=self.fs,
+                destination_filesystem=pafs.LocalFileSystem(),
+                chunk_size=COPY_CHUNK,
+            )
+        return local
 
     def download_dir(self, rel: str, local: Path) -> Path:
         """Copy the folder `rel` to `local` atomically: into a temporary sibling, then one rename.

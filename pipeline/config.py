@@ -372,6 +372,15 @@ class OptimConfig(_Section):
     layer_decay: float | None = Field(
         None, gt=0.0, le=1.0, description="Layer-wise lr decay (fine-tuning, e.g. 0.75); null disables."
     )
+    ema_decay: float | None = Field(
+        None,
+        gt=0.0,
+        lt=1.0,
+        description="Weight EMA (DeiT: 0.99996, big_vision): ema = decay * ema + (1 - decay) * weights after every "
+        "optimizer step, in fp32, from the stage's first weights; each rank keeps its own share, checkpointed "
+        "with it (resumable on any world size). Exported as export/model_ema.safetensors; an eval stage of the "
+        "export logs eval_ema/* beside eval/*. Null disables.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -571,6 +580,11 @@ class EvalConfig(_Section):
         None,
         description="Resampling of eval images (antialiased). Null: what model.init_from's export recorded, "
         "else bicubic, as timm, DeiT and MAE evaluate every family here. Training crops stay bilinear.",
+    )
+    ema: bool = Field(
+        True,
+        description="Where model.init_from is an export folder with EMA weights (optim.ema_decay), evaluate "
+        "them too, with the same passes: their metrics are logged as eval_ema/* beside eval/*.",
     )
 
 

@@ -187,6 +187,11 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run_dir / "export" / "model.safetensors"))
 
 
+def ema_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The consolidated weight EMA (optim.ema_decay) the stage in run_dir exported."""
+    return load_file(str(run_dir / "export" / "model_ema.safetensors"))
+
+
 # ---------------------------------------------------------------------- training checks
 
 

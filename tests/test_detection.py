@@ -15,7 +15,15 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import assert_loss_fell, counted_flops, history, torchrun, vitpipe_shard, weights
+from conftest import (
+    assert_loss_fell,
+    counted_flops,
+    ema_weights,
+    history,
+    torchrun,
+    vitpipe_shard,
+    weights,
+)
 from PIL import Image
 from test_layout_corpus import rewrite_tar, tar_members
 
@@ -596,6 +604,8 @@ def test_detr_trains_from_an_mae_encoder_under_every_zero_stage_and_reports_box_
     assert history(tmp_path / "det_resumed") == history(tmp_path / "det_zero3")
     resumed, straight = weights(tmp_path / "det_resumed"), weights(tmp_path / "det_zero3")
     assert all(torch.equal(resumed[k], straight[k]) for k in straight)
+    resumed, straight = ema_weights(tmp_path / "det_resumed"), ema_weights(tmp_path / "det_zero3")
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)  # and their EMAs
     mae, det = weights(tmp_path / "mae"), weights(tmp_path / "det_zero3")
     assert det["encoder.pos_embed"].shape == (1, 37, 64) and mae["pos_embed"].shape == (1, 17, 64)
     summary = json.loads((tmp_path / "det_eval" / "eval.json").read_text())
@@ -603,7 +613,11 @@ def test_detr_trains_from_an_mae_encoder_under_every_zero_stage_and_reports_box_
     assert summary["eval_samples"] == manifest["totals"]["val"]
     assert summary["detection_classes"] == layout_type_names(4)
     metrics = summary["metrics"]
-    assert set(metrics) == {"eval/box_map", "eval/box_ap50", "eval/box_ap75"}
+    # the export's weight EMA evaluated beside its weights (every training stage here keeps one)
+    assert set(metrics) == {
+        f"{p}/{k}" for p in ("eval", "eval_ema") for k in ("box_map", "box_ap50", "box_ap75")
+    }
+    assert summary["ema"]["eval_samples"] == summary["eval_samples"]
     assert (
         all(0.0 <= v <= 1.0 for v in metrics.values()) and metrics["eval/box_ap50"] >= metrics["eval/box_map"]
     )

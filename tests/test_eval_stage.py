@@ -59,14 +59,22 @@ def test_ablation_experiment_pairs_every_train_stage_with_an_eval_of_its_export(
 # ---------------------------------------------------------------- evaluations under torchrun
 
 
-def _export(out: Path, overrides: dict) -> Path:
+def _export(out: Path, overrides: dict, ema: bool = False) -> Path:
+    """A random vit_debug export; with `ema`, a weight EMA beside it (another random head and blocks)."""
     from pipeline.models import create_model
     from pipeline.train.export import export_weights
 
     kwargs = {"img_size": 32, "num_classes": 8, "head_bias_init": 0.0, **overrides}
     model = create_model("vit_debug", **kwargs)
     torch.nn.init.normal_(model.head.weight, std=0.5)  # a zero head would tie every logit
-    return export_weights(model.state_dict(), "vit_debug", kwargs, out / "export", step=3).parent
+    averaged = None
+    if ema:
+        other = create_model("vit_debug", **kwargs)
+        torch.nn.init.normal_(other.head.weight, std=0.5)
+        averaged = {k: v.detach() for k, v in other.named_parameters()}
+    return export_weights(
+        model.state_dict(), "vit_debug", kwargs, out / "export", step=3, ema=averaged, ema_decay=0.999
+    ).parent
 
 
 def _source_run(stage_dir: Path) -> str:
@@ -117,7 +125,7 @@ def evaluations(tmp_path_factory) -> Path:
         data = root / f"data_{name}"
         samples = synthetic_samples(97, 8, seed=0, width=40, height=40, val_fraction=0.3)
         write_dataset(data, samples, class_names(8), multi_label, max_count=10)  # val shards: 10, 10, 7
-        export = _export(root / f"train_{name}", overrides)
+        export = _export(root / f"train_{name}", overrides, ema=name == "single")
         if name == "multi":
             _source_run(export.parent)
         cfg = {
@@ -137,9 +145,15 @@ def evaluations(tmp_path_factory) -> Path:
             "eval": {"fewshot_max_train": None},
         }
         configs.append(cfg)
+    # The single export's EMA weights evaluated on their own (one rank): what its eval_ema/* must be.
+    direct = {**configs[1], "name": "single_ema_direct"}
+    direct["model"] = {
+        **direct["model"],
+        "init_from": str(root / "train_single" / "export" / "model_ema.safetensors"),
+    }
     for world in (1, 2):
         paths = []
-        for cfg in configs:
+        for cfg in configs + ([direct] if world == 1 else []):
             cfg = {**cfg, "tracking": {**cfg["tracking"], "uri": cfg["tracking"]["uri"].format(world=world)}}
             path = root / f"world{world}_cfg" / f"{cfg['name']}.yaml"
             path.parent.mkdir(exist_ok=True)
@@ -174,6 +188,26 @@ def test_two_ranks_give_the_single_process_result(evaluations, name, expected):
     assert one["linear"]["fewshot"] == pytest.approx(two["linear"]["fewshot"], rel=1e-6, abs=1e-9)
 
 
+@pytest.mark.dist
+@pytest.mark.slow
+def test_an_export_with_a_weight_ema_is_evaluated_twice_with_eval_ema_metrics_beside(evaluations):
+    """The single export has EMA weights beside it: every metric again as eval_ema/* (fewshot/5shot ->
+    eval_ema/fewshot/5shot), equal to an eval stage of the EMA weights file itself, and equal on 1 and 2 ranks
+    (the loop of the test above). The multi export has none: no eval_ema/*."""
+    single, direct = _result(evaluations, 1, "single"), _result(evaluations, 1, "single_ema_direct")
+    raw = {k: v for k, v in single["metrics"].items() if not k.startswith("eval_ema/")}
+    ema = {k: v for k, v in single["metrics"].items() if k.startswith("eval_ema/")}
+    assert {"eval/top1", "eval/top5", "fewshot/5shot", "probe/accuracy"} <= set(raw)
+    assert set(ema) == {"eval_ema/" + k.removeprefix("eval/") for k in raw}
+    for key, value in direct["metrics"].items():
+        assert ema["eval_ema/" + key.removeprefix("eval/")] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+    assert "eval_ema/" not in "".join(direct["metrics"])  # the EMA file is not an export folder: once
+    assert raw != pytest.approx({k: ema["eval_ema/" + k.removeprefix("eval/")] for k in raw})  # other weights
+    assert single["ema"]["weights"].endswith("model_ema.safetensors")
+    assert single["ema"]["eval_samples"] == VAL_SIZE
+    assert not any(k.startswith("eval_ema/") for k in _result(evaluations, 1, "multi")["metrics"])
+
+
 @pytest.mark.slow
 def test_eval_stage_logs_metrics_and_figures_to_mlflow(evaluations):
     from mlflow import MlflowClient
@@ -182,7 +216,7 @@ def test_eval_stage_logs_metrics_and_figures_to_mlflow(evaluations):
     runs = {
         r.info.run_name: r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])
     }
-    assert set(runs) == {"multi", "single"}  # one run per stage: rank 0 alone writes
+    assert set(runs) == {"multi", "single", "single_ema_direct"}  # one run per stage: rank 0 alone writes
     multi, single = runs["multi"], runs["single"]
     for run, name in ((multi, "multi"), (single, "single")):
         assert run.info.status == "FINISHED"

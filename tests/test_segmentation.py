@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import assert_loss_fell, counted_flops, history, torchrun, weights
+from conftest import assert_loss_fell, counted_flops, ema_weights, history, torchrun, weights
 from PIL import Image
 
 from pipeline.config import ConfigError, validate_config
@@ -308,6 +308,14 @@ def test_setr_trains_from_an_mae_encoder_under_every_zero_stage_and_reports_miou
         np.mean([v for v in summary["iou_per_class"].values() if v is not None])
     )
     assert dict(history(tmp_path / "seg_eval", "eval/miou")) == {30: pytest.approx(metrics["eval/miou"])}
+    # The export's weight EMA (decay 0.8) was evaluated too: other weights, the same metrics.
+    assert {"eval_ema/miou", "eval_ema/pixel_accuracy", "eval_ema/mean_accuracy"} <= set(metrics)
+    assert 0.0 < metrics["eval_ema/miou"] <= 1.0 and summary["ema"]["eval_samples"] == summary["eval_samples"]
+    assert dict(history(tmp_path / "seg_eval", "eval_ema/miou")) == {
+        30: pytest.approx(metrics["eval_ema/miou"])
+    }
+    mae_ema = ema_weights(tmp_path / "mae")  # MAE's EMA exported as its encoder, as its weights are
+    assert mae_ema.keys() == mae.keys() and any(not torch.equal(mae_ema[k], mae[k]) for k in mae)
     figure = tmp_path / "seg_eval" / "figures" / "segmentation_masks.png"
     assert figure.stat().st_size > 10_000 and Image.open(figure).size[1] > Image.open(figure).size[0]
 

@@ -64,11 +64,16 @@ def test_multi_stage_storage_sets_each_stage_uri_and_chains_exports(tmp_path):
 @pytest.mark.dist
 @pytest.mark.slow
 def test_checkpoints_on_s3_resume_a_run_whose_local_directory_is_gone(s3, tmp_path):
-    from conftest import history, torchrun, weights  # the same launcher and readers as the resume tests
+    from conftest import (  # the same launcher and readers as the resume tests
+        ema_weights,
+        history,
+        torchrun,
+        weights,
+    )
 
     from data_prep.synthetic import class_names, synthetic_samples
     from data_prep.writer import write_dataset
-    from pipeline.train.export import load_exported
+    from pipeline.train import export
 
     data = tmp_path / "data"
     write_dataset(data, synthetic_samples(320, 8, seed=0, width=48, height=40), class_names(8), True, 40)
@@ -80,6 +85,9 @@ def test_checkpoints_on_s3_resume_a_run_whose_local_directory_is_gone(s3, tmp_pa
     assert remote == straight, "the run resumed from storage differs from the uninterrupted one"
     w_straight, w_remote = weights(out / "straight"), weights(out / "remote")
     assert all(torch.equal(w_straight[k], w_remote[k]) for k in w_straight)
+    # The weight EMA came back from the stored step 4 with the rest (both ranks' shares).
+    e_straight, e_remote = ema_weights(out / "straight"), ema_weights(out / "remote")
+    assert all(torch.equal(e_straight[k], e_remote[k]) for k in e_straight)
 
     store = Store(uri)
     assert store.list_dirs() == ["export", "step_00000004", "step_00000008"]
@@ -88,15 +96,21 @@ def test_checkpoints_on_s3_resume_a_run_whose_local_directory_is_gone(s3, tmp_pa
     files = set(record["files"])
     # Both ranks' ZeRO-2 optimizer shards and RNG states landed in the one place, with the model states.
     assert {"rank_0.pt", "rank_1.pt", "mp_rank_00_model_states.pt"} <= files
+    assert {"ema_rank_0_fp32.safetensors", "ema_rank_1_fp32.safetensors"} <= files
     assert any("zero_pp_rank_0_" in f for f in files) and any("zero_pp_rank_1_" in f for f in files)
     assert set(store.list_files("step_00000004")) == files | {"COMPLETE.json"}
     # Step 4 exists on this machine again only because resume downloaded it (every_steps=0 saves 8 only).
     local = out / "remote" / "checkpoints" / "step_00000004" / "COMPLETE.json"
     assert json.loads(local.read_text()) == record
     # The export is on storage too, and loads from there.
-    state, meta = load_exported(child(uri, "export"))
+    state, meta = export.load_exported(child(uri, "export"))
     assert all(torch.equal(state[k], w_remote[k]) for k in w_remote)
-    assert meta["step"] == 8
+    assert meta["step"] == 8 and meta["ema"] == {"weights": "model_ema.safetensors", "decay": 0.9}
+    # ... and its EMA beside it, which an eval stage of the stored export finds.
+    stored_ema = export.ema_weights(child(uri, "export"))
+    assert stored_ema == child(uri, "export", "model_ema.safetensors")
+    state, meta = export.load_exported(stored_ema)
+    assert all(torch.equal(state[k], e_remote[k]) for k in e_remote) and meta["step"] == 8
 
 
 def test_a_stop_request_reaches_rank_0_through_the_bucket_and_is_cleared_before_the_next_run(s3, tmp_path):

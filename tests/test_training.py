@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_loss_fell, history, torchrun, weights  # shared with the other torchrun tests
+from conftest import (  # shared with the other torchrun tests
+    assert_loss_fell,
+    ema_weights,
+    history,
+    torchrun,
+    weights,
+)
 from mlflow.tracking import MlflowClient
 
 ROOT = Path(__file__).parents[1]
@@ -33,6 +39,12 @@ def test_resume_is_bitwise_exact_per_zero_stage(smoke_dataset, tmp_path):
         assert all(torch.equal(w_straight[k], w_resumed[k]) for k in w_straight), (
             f"ZeRO-{stage}: weights differ"
         )
+        # The weight EMA (decay 0.9) went on from its checkpointed share: the uninterrupted one, bit for bit,
+        # and not the weights themselves.
+        e_straight, e_resumed = ema_weights(base / "straight"), ema_weights(base / "resumed")
+        assert e_straight.keys() == w_straight.keys()
+        assert all(torch.equal(e_straight[k], e_resumed[k]) for k in e_straight), f"ZeRO-{stage}: EMA differs"
+        assert any(not torch.equal(e_straight[k], w_straight[k]) for k in e_straight)
         # Negative control: dropping the optimizer state at resume must change the result.
         assert control[:4] == straight[:4]
         assert control[4:] != straight[4:], f"ZeRO-{stage}: the negative control did not differ"

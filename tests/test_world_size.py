@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import history, torchrun, weights
+from conftest import ema_weights, history, torchrun, weights
+from safetensors import safe_open
 
 from pipeline.config import load_config
 from pipeline.train import checkpoint
@@ -51,6 +52,17 @@ def moments(tag_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def assembled(files: list[Path]) -> dict[str, torch.Tensor]:
+    """The whole weight EMA from every rank's file of a tag: each holds [start, stop) of some parameters."""
+    out: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name, (start, stop, numel) in json.loads(f.metadata()["ranges"]).items():
+                out.setdefault(name, torch.full((numel,), float("nan")))[start:stop] = f.get_tensor(name)
+    assert not any(t.isnan().any() for t in out.values()), "the ranks' files leave elements out"
+    return out
+
+
 def check(out: Path, stage: int, ranks_after: int, accum_after: int) -> None:
     root = out / f"zero{stage}"
     saved = root / "switch/checkpoints" / TAG
@@ -64,6 +76,16 @@ def check(out: Path, stage: int, ranks_after: int, accum_after: int) -> None:
     for key in before:
         assert torch.equal(before[key], after[key]), f"ZeRO-{stage}: {key} changed in the reshard"
     exported = weights(root / "at4")
+    # The weight EMA saved by the other world size, loaded on this one, exported at once: the saved one.
+    ema_files = sorted(saved.glob("ema_rank_*_fp32.safetensors"))
+    assert len(ema_files) == json.loads((saved / checkpoint.COMPLETE).read_text())["world_size"]
+    assert len(list(resaved.glob("ema_rank_*_fp32.safetensors"))) == ranks_after
+    saved_ema, ema = assembled(ema_files), ema_weights(root / "at4")
+    assert saved_ema.keys() <= ema.keys() and len(saved_ema) > 20
+    for name, tensor in saved_ema.items():
+        assert torch.equal(ema[name].reshape(-1), tensor), (
+            f"ZeRO-{stage}: EMA of {name} changed in the reshard"
+        )
     fp32 = {k.removesuffix("/fp32"): v for k, v in before.items() if k.endswith("/fp32")}
     for name, tensor in exported.items():
         if name in fp32:

@@ -59,9 +59,11 @@ from pipeline.models.detr import detections
 from pipeline.stage import Stage, init_weights, model_kwargs, open_stage, output_classes
 from pipeline.tracking import Tracker
 from pipeline.train.engine import DistContext
+from pipeline.train.export import ema_weights
 
 log = logging.getLogger(__name__)
 EVAL_FILE = "eval.json"
+EMA_PREFIX = "eval_ema/"  # the weight EMA's metrics (optim.ema_decay): eval/top1 -> eval_ema/top1
 FIGURE_IMAGES = 16  # eval images the attention-distance figure averages over
 FIGURE_ROWS = 8  # eval images the segmentation figure shows
 MAX_TAG_LEN = 1000
@@ -277,7 +279,6 @@ def evaluate(
         return evaluate_detection(cfg, stage, info, report, parent_run_id)
     num_classes = cfg.model.num_classes or info.num_classes
     model, meta = load_model(cfg, num_classes, ctx.device)
-    amp = _amp_dtype(cfg, ctx.device)
 
     # -- tracking (rank 0): a re-run of a failed eval stage continues its MLflow run
     tags = {"kind": "eval", "init_from": str(cfg.model.init_from)}
@@ -289,74 +290,110 @@ def evaluate(
                 flush=True,
             )
 
-        # -- passes: eval split in full; train split up to the cap, in whole batches on every rank
-        linear = bool(e.fewshot_shots) or e.linear_probe
-        loader_args = dict(
-            rank=ctx.rank,
-            world_size=ctx.world_size,
-            batch_size=batch_size,
-            img_size=cfg.model.img_size,
-            crop_fraction=e.crop_fraction,
-            interpolation=e.interpolation,
-        )
-        eval_loader = make_eval_loader(info, cfg.data, **loader_args)
-        norm = dict(mean=cfg.data.mean, std=cfg.data.std)
-        test = embed_split(
-            model, eval_loader, ctx.device, with_logits=e.classification, amp_dtype=amp, **norm
-        )
-        train = None
-        if linear:
-            train_info = dataset_info(cfg.data.train, e.train_split, **labels)
-            train_loader = make_eval_loader(train_info, cfg.data, **loader_args)
-            cap = e.fewshot_max_train
-            max_batches = math.ceil(cap / (ctx.world_size * batch_size)) if cap else None
-            train = embed_split(
-                model,
-                train_loader,
-                ctx.device,
-                with_logits=False,
-                max_batches=max_batches,
-                amp_dtype=amp,
-                **norm,
-            )
+        def measure(figures: bool) -> tuple[dict[str, float], dict]:
+            return _classification(cfg, ctx, info, model, num_classes, tracker, figures)
 
-        # -- classification: masked sums all-reduced; mAP from the gathered rows
-        metrics: dict[str, float] = {}
-        details: dict = {}
-        if e.classification:
-            sums, details["eval_samples"] = classification_sums(test, info.multi_label, ctx)
-            metrics.update(sums)
-        test_rows = gather_valid(test, ctx) if (linear or (e.classification and info.multi_label)) else None
-        train_rows = gather_valid(train, ctx) if train is not None else None
-
-        # -- rank 0: mAP, few-shot, probe, figures; then every rank gets the same results
-        if ctx.is_main:
-            if test_rows is not None:
-                details["eval_samples"] = len(test_rows["keys"])
-            if e.classification and info.multi_label:
-                metrics["eval/map"] = mean_average_precision(test_rows["logits"], test_rows["targets"])
-            if train_rows is not None:
-                if cap and len(train_rows["keys"]) > cap:
-                    train_rows = {k: v[:cap] for k, v in train_rows.items()}  # the first `cap` by key
-                lin, details["linear"] = linear_metrics(
-                    train_rows, test_rows, num_classes, info.multi_label, e
-                )
-                metrics.update(lin)
-            if e.figures:
-                try:
-                    details["figures_skipped"] = _figures(cfg, model, test.images, tracker)
-                except Exception as exc:  # figures are optional: a plotting failure must not lose the metrics
-                    log.exception("figures failed")
-                    details["figures_skipped"] = {"all": f"failed: {exc!r}"}
-            seen = details.get("eval_samples")
-            if seen is not None:
-                _count_unreadable(cfg, info, seen, details)
-        shared = [metrics, details]
-        dist.broadcast_object_list(shared, src=0, group=ctx.control_group)
-        metrics, details = shared
+        metrics, details = _with_ema(cfg, ctx, model, measure)
         _finish(cfg, ctx, tracker, metrics, details, meta, report)
     dist.barrier()
     return metrics
+
+
+def _classification(
+    cfg: StageConfig,
+    ctx: DistContext,
+    info: DatasetInfo,
+    model: nn.Module,
+    num_classes: int,
+    tracker: Tracker,
+    figures: bool,
+) -> tuple[dict[str, float], dict]:
+    """Every rank: the classification metrics, few-shot and probe of `model` (the same dict on every rank),
+    and the details eval.json keeps; the figures too where `figures`."""
+    e = cfg.eval
+    batch_size = e.batch_size or cfg.data.batch_size
+    amp = _amp_dtype(cfg, ctx.device)
+    labels = dict(num_classes=cfg.data.num_classes, multi_label=cfg.data.multi_label)  # URL inputs only
+
+    # -- passes: eval split in full; train split up to the cap, in whole batches on every rank
+    linear = bool(e.fewshot_shots) or e.linear_probe
+    eval_loader = _eval_loader(cfg, ctx, info, crop_fraction=e.crop_fraction)
+    norm = dict(mean=cfg.data.mean, std=cfg.data.std)
+    test = embed_split(model, eval_loader, ctx.device, with_logits=e.classification, amp_dtype=amp, **norm)
+    train = None
+    cap = e.fewshot_max_train
+    if linear:
+        train_info = dataset_info(cfg.data.train, e.train_split, **labels)
+        train_loader = _eval_loader(cfg, ctx, train_info, crop_fraction=e.crop_fraction)
+        max_batches = math.ceil(cap / (ctx.world_size * batch_size)) if cap else None
+        train = embed_split(
+            model, train_loader, ctx.device, with_logits=False, max_batches=max_batches, amp_dtype=amp, **norm
+        )
+
+    # -- classification: masked sums all-reduced; mAP from the gathered rows
+    metrics: dict[str, float] = {}
+    details: dict = {}
+    if e.classification:
+        sums, details["eval_samples"] = classification_sums(test, info.multi_label, ctx)
+        metrics.update(sums)
+    test_rows = gather_valid(test, ctx) if (linear or (e.classification and info.multi_label)) else None
+    train_rows = gather_valid(train, ctx) if train is not None else None
+
+    # -- rank 0: mAP, few-shot, probe, figures; then every rank gets the same results
+    if ctx.is_main:
+        if test_rows is not None:
+            details["eval_samples"] = len(test_rows["keys"])
+        if e.classification and info.multi_label:
+            metrics["eval/map"] = mean_average_precision(test_rows["logits"], test_rows["targets"])
+        if train_rows is not None:
+            if cap and len(train_rows["keys"]) > cap:
+                train_rows = {k: v[:cap] for k, v in train_rows.items()}  # the first `cap` by key
+            lin, details["linear"] = linear_metrics(train_rows, test_rows, num_classes, info.multi_label, e)
+            metrics.update(lin)
+        if figures:
+            try:
+                details["figures_skipped"] = _figures(cfg, model, test.images, tracker)
+            except Exception as exc:  # figures are optional: a plotting failure must not lose the metrics
+                log.exception("figures failed")
+                details["figures_skipped"] = {"all": f"failed: {exc!r}"}
+        seen = details.get("eval_samples")
+        if seen is not None:
+            _count_unreadable(cfg, info, seen, details)
+    shared = [metrics, details]
+    dist.broadcast_object_list(shared, src=0, group=ctx.control_group)
+    return shared[0], shared[1]
+
+
+def _eval_loader(cfg: StageConfig, ctx: DistContext, info: DatasetInfo, **extra) -> DataLoader:
+    """This rank's padded loader over a split at the stage's eval batch size, size and resampling."""
+    return make_eval_loader(
+        info,
+        cfg.data,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        batch_size=cfg.eval.batch_size or cfg.data.batch_size,
+        img_size=cfg.model.img_size,
+        interpolation=cfg.eval.interpolation,
+        **extra,
+    )
+
+
+def _with_ema(
+    cfg: StageConfig, ctx: DistContext, model: nn.Module, measure: Callable[[bool], tuple[dict, dict]]
+) -> tuple[dict[str, float], dict]:
+    """`measure(figures)` of the export's weights, then, where the export has a weight EMA (and eval.ema), of
+    the EMA weights loaded into the same model: their metrics as eval_ema/*, beside eval/*, and their details
+    in eval.json's "ema". Rank 0 decides whether there is one (every rank then agrees)."""
+    metrics, details = measure(cfg.eval.figures)
+    found = [ema_weights(cfg.model.init_from) if cfg.eval.ema and ctx.is_main else None]
+    dist.broadcast_object_list(found, src=0, group=ctx.control_group)
+    if found[0] is None:
+        return metrics, details
+    init_weights(model, found[0], cfg.model.init_head, cfg.model.name)
+    ema_metrics, ema_details = measure(False)
+    metrics.update({EMA_PREFIX + k.removeprefix("eval/"): v for k, v in ema_metrics.items()})
+    details["ema"] = {"weights": found[0], **{k: v for k, v in ema_details.items() if k != "figures_skipped"}}
+    return metrics, details
 
 
 def _count_unreadable(cfg: StageConfig, info: DatasetInfo, seen: int, details: dict) -> None:
@@ -417,7 +454,6 @@ def evaluate_segmentation(
     confusion matrix summed over every rank's valid pixels), the per-class IoU in eval.json, and a figure of
     predicted against true masks. Few-shot and the probe are classification evaluations: not run here."""
     ctx, e = stage.ctx, cfg.eval
-    batch_size = e.batch_size or cfg.data.batch_size
     classes = list(info.segmentation_classes or [])
     num_classes = output_classes(cfg, info)
     model, meta = load_model(cfg, num_classes, ctx.device, classifier=False)
@@ -430,62 +466,59 @@ def evaluate_segmentation(
                 f"{cfg.data.train} {e.eval_split} | {num_classes} classes | world {ctx.world_size}",
                 flush=True,
             )
-        loader = make_eval_loader(
-            info,
-            cfg.data,
-            rank=ctx.rank,
-            world_size=ctx.world_size,
-            batch_size=batch_size,
-            img_size=cfg.model.img_size,
-            crop_fraction=e.crop_fraction,
-            interpolation=e.interpolation,
-            masks=True,
-        )
-        conf = torch.zeros(num_classes, num_classes, dtype=torch.int64)
-        seen = torch.zeros(1, dtype=torch.int64)
-        shown: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (image, true, predicted) rows
-        with torch.no_grad():
-            for batch in loader:
-                x = normalize(batch["image"].to(ctx.device, non_blocking=True), cfg.data.mean, cfg.data.std)
-                with torch.autocast(ctx.device.type, dtype=amp or torch.float32, enabled=amp is not None):
-                    pred = model(x).argmax(1)  # [B, H, W] on the device
-                valid, target = batch["valid"], batch["mask"]
-                counted = (target != MASK_IGNORE) & valid[:, None, None]
-                dev = ctx.device
-                conf += confusion_matrix(
-                    pred, target.to(dev), num_classes, counted.to(dev)
-                ).cpu()  # K x K moves
-                seen += int(valid.sum())
-                if len(shown) < FIGURE_ROWS:
-                    rows = zip(batch["image"][valid], target[valid], pred.cpu()[valid])
-                    shown += list(rows)[: FIGURE_ROWS - len(shown)]
-        dist.all_reduce(conf, group=ctx.control_group)  # gloo: CPU tensors whatever the training backend
-        dist.all_reduce(seen, group=ctx.control_group)
-        scores = segmentation_scores(conf)
-        metrics = {
-            "eval/miou": scores["miou"],
-            "eval/pixel_accuracy": scores["pixel_accuracy"],
-            "eval/mean_accuracy": scores["mean_accuracy"],
-        }
-        details: dict = {
-            "eval_samples": int(seen),
-            "iou_per_class": dict(zip(classes or map(str, range(num_classes)), scores["iou"])),
-        }
-        if ctx.is_main and e.figures:
-            if not shown:
-                details["figures_skipped"] = {"segmentation_masks": "no readable eval image on rank 0"}
-            try:
-                if shown:
-                    images, true, pred = (torch.stack(t) for t in zip(*shown))
-                    out = cfg.run_path / "figures" / "segmentation_masks.png"
-                    tracker.log_artifact(
-                        str(segmentation_figure(images, true, pred, classes, out)), "figures"
+
+        def measure(figures: bool) -> tuple[dict[str, float], dict]:
+            loader = _eval_loader(cfg, ctx, info, crop_fraction=e.crop_fraction, masks=True)
+            conf = torch.zeros(num_classes, num_classes, dtype=torch.int64)
+            seen = torch.zeros(1, dtype=torch.int64)
+            shown: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (image, true, predicted) rows
+            with torch.no_grad():
+                for batch in loader:
+                    x = normalize(
+                        batch["image"].to(ctx.device, non_blocking=True), cfg.data.mean, cfg.data.std
                     )
-            except Exception as exc:  # figures are optional: a plotting failure must not lose the metrics
-                log.exception("segmentation figure failed")
-                details["figures_skipped"] = {"segmentation_masks": f"failed: {exc!r}"}
-        if ctx.is_main:
-            _count_unreadable(cfg, info, int(seen), details)
+                    with torch.autocast(ctx.device.type, dtype=amp or torch.float32, enabled=amp is not None):
+                        pred = model(x).argmax(1)  # [B, H, W] on the device
+                    valid, target = batch["valid"], batch["mask"]
+                    counted = (target != MASK_IGNORE) & valid[:, None, None]
+                    dev = ctx.device
+                    conf += confusion_matrix(
+                        pred, target.to(dev), num_classes, counted.to(dev)
+                    ).cpu()  # K x K moves
+                    seen += int(valid.sum())
+                    if len(shown) < FIGURE_ROWS:
+                        rows = zip(batch["image"][valid], target[valid], pred.cpu()[valid])
+                        shown += list(rows)[: FIGURE_ROWS - len(shown)]
+            dist.all_reduce(conf, group=ctx.control_group)  # gloo: CPU tensors whatever the training backend
+            dist.all_reduce(seen, group=ctx.control_group)
+            scores = segmentation_scores(conf)
+            metrics = {
+                "eval/miou": scores["miou"],
+                "eval/pixel_accuracy": scores["pixel_accuracy"],
+                "eval/mean_accuracy": scores["mean_accuracy"],
+            }
+            details: dict = {
+                "eval_samples": int(seen),
+                "iou_per_class": dict(zip(classes or map(str, range(num_classes)), scores["iou"])),
+            }
+            if ctx.is_main and figures:
+                if not shown:
+                    details["figures_skipped"] = {"segmentation_masks": "no readable eval image on rank 0"}
+                try:
+                    if shown:
+                        images, true, pred = (torch.stack(t) for t in zip(*shown))
+                        out = cfg.run_path / "figures" / "segmentation_masks.png"
+                        tracker.log_artifact(
+                            str(segmentation_figure(images, true, pred, classes, out)), "figures"
+                        )
+                except Exception as exc:  # figures are optional: a plotting failure must not lose the metrics
+                    log.exception("segmentation figure failed")
+                    details["figures_skipped"] = {"segmentation_masks": f"failed: {exc!r}"}
+            if ctx.is_main:
+                _count_unreadable(cfg, info, int(seen), details)
+            return metrics, details
+
+        metrics, details = _with_ema(cfg, ctx, model, measure)
         _finish(cfg, ctx, tracker, metrics, details, meta, report)
     dist.barrier()
     return metrics
@@ -521,7 +554,6 @@ def evaluate_detection(
     order, the order one process sees whatever the world size, evaluated there, and the metrics broadcast.
     Few-shot and the probe are classification evaluations: not run here."""
     ctx, e = stage.ctx, cfg.eval
-    batch_size = e.batch_size or cfg.data.batch_size
     classes = list(info.detection_classes or [])
     num_classes = output_classes(cfg, info)
     model, meta = load_model(cfg, num_classes, ctx.device, classifier=False)
@@ -535,78 +567,80 @@ def evaluate_detection(
                 f"world {ctx.world_size}",
                 flush=True,
             )
-        loader = make_eval_loader(
-            info,
-            cfg.data,
-            rank=ctx.rank,
-            world_size=ctx.world_size,
-            batch_size=batch_size,
-            img_size=cfg.model.img_size,
-            interpolation=e.interpolation,
-            boxes=model.num_queries,
-        )
-        rows: list[tuple] = []  # (key, true boxes, true classes, (w, h), boxes, scores, classes) per image
-        shown: list[
-            tuple
-        ] = []  # (image, (true xyxy, classes), (predicted xyxy, scores, classes)) for the figure
-        with torch.no_grad():
-            for batch in loader:
-                x = normalize(batch["image"].to(ctx.device, non_blocking=True), cfg.data.mean, cfg.data.std)
-                with torch.autocast(ctx.device.type, dtype=amp or torch.float32, enabled=amp is not None):
-                    logits, boxes = model(x)
-                scores, labels, found = (t.cpu() for t in detections(logits[-1], boxes[-1]))
-                for i in batch["valid"].nonzero().flatten().tolist():
-                    real = batch["box_classes"][i] >= 0
-                    true, true_classes = batch["boxes"][i][real], batch["box_classes"][i][real]
-                    size = batch["image_size"][i]
-                    rows.append(
-                        (
-                            batch["key"][i],
-                            _pixels_xywh(true, size),
-                            true_classes.numpy(),
-                            tuple(size.tolist()),
-                            _pixels_xywh(found[i], size),
-                            scores[i].numpy(),
-                            labels[i].numpy(),
+
+        def measure(figures: bool) -> tuple[dict[str, float], dict]:
+            loader = _eval_loader(cfg, ctx, info, boxes=model.num_queries)
+            rows: list[
+                tuple
+            ] = []  # (key, true boxes, true classes, (w, h), boxes, scores, classes) per image
+            shown: list[
+                tuple
+            ] = []  # (image, (true xyxy, classes), (predicted xyxy, scores, classes)) for the figure
+            with torch.no_grad():
+                for batch in loader:
+                    x = normalize(
+                        batch["image"].to(ctx.device, non_blocking=True), cfg.data.mean, cfg.data.std
+                    )
+                    with torch.autocast(ctx.device.type, dtype=amp or torch.float32, enabled=amp is not None):
+                        logits, boxes = model(x)
+                    scores, labels, found = (t.cpu() for t in detections(logits[-1], boxes[-1]))
+                    for i in batch["valid"].nonzero().flatten().tolist():
+                        real = batch["box_classes"][i] >= 0
+                        true, true_classes = batch["boxes"][i][real], batch["box_classes"][i][real]
+                        size = batch["image_size"][i]
+                        rows.append(
+                            (
+                                batch["key"][i],
+                                _pixels_xywh(true, size),
+                                true_classes.numpy(),
+                                tuple(size.tolist()),
+                                _pixels_xywh(found[i], size),
+                                scores[i].numpy(),
+                                labels[i].numpy(),
+                            )
                         )
-                    )
-                    if len(shown) < FIGURE_ROWS:
-                        truth = (_fraction_xyxy(true), true_classes.numpy())
-                        guess = (_fraction_xyxy(found[i]), scores[i].numpy(), labels[i].numpy())
-                        shown.append((batch["image"][i], truth, guess))
-        parts: list | None = [None] * ctx.world_size if ctx.is_main else None
-        dist.gather_object(rows, parts, dst=0, group=ctx.control_group)  # gloo: whatever the training backend
-        result: list = [None]
-        if ctx.is_main:
-            ordered = sorted((r for p in parts for r in p), key=lambda r: r[0])
-            ap = coco_box_ap(
-                [(r[1], r[2], r[3]) for r in ordered], [(r[4], r[5], r[6]) for r in ordered], num_classes
-            )
-            result = [(ap, len(ordered))]
-        dist.broadcast_object_list(result, src=0, group=ctx.control_group)
-        ap, seen = result[0]
-        metrics = {"eval/box_map": ap["map"], "eval/box_ap50": ap["ap50"], "eval/box_ap75": ap["ap75"]}
-        details: dict = {
-            "eval_samples": seen,
-            "box_ap_by_size": {k: ap[k] for k in ("ap_small", "ap_medium", "ap_large")},
-            "detection_classes": classes,
-        }
-        if ctx.is_main and e.figures:
-            try:
-                if shown:
-                    images = torch.stack([row[0] for row in shown])
-                    out = cfg.run_path / "figures" / "detection_boxes.png"
-                    figure = detection_figure(
-                        images, [r[1] for r in shown], [r[2] for r in shown], classes, out
-                    )
-                    tracker.log_artifact(str(figure), "figures")
-                else:
-                    details["figures_skipped"] = {"detection_boxes": "no readable eval image on rank 0"}
-            except Exception as exc:  # figures are optional: a plotting failure must not lose the metrics
-                log.exception("detection figure failed")
-                details["figures_skipped"] = {"detection_boxes": f"failed: {exc!r}"}
-        if ctx.is_main:
-            _count_unreadable(cfg, info, seen, details)
+                        if len(shown) < FIGURE_ROWS:
+                            truth = (_fraction_xyxy(true), true_classes.numpy())
+                            guess = (_fraction_xyxy(found[i]), scores[i].numpy(), labels[i].numpy())
+                            shown.append((batch["image"][i], truth, guess))
+            parts: list | None = [None] * ctx.world_size if ctx.is_main else None
+            dist.gather_object(
+                rows, parts, dst=0, group=ctx.control_group
+            )  # gloo: whatever the training backend
+            result: list = [None]
+            if ctx.is_main:
+                ordered = sorted((r for p in parts for r in p), key=lambda r: r[0])
+                ap = coco_box_ap(
+                    [(r[1], r[2], r[3]) for r in ordered], [(r[4], r[5], r[6]) for r in ordered], num_classes
+                )
+                result = [(ap, len(ordered))]
+            dist.broadcast_object_list(result, src=0, group=ctx.control_group)
+            ap, seen = result[0]
+            metrics = {"eval/box_map": ap["map"], "eval/box_ap50": ap["ap50"], "eval/box_ap75": ap["ap75"]}
+            details: dict = {
+                "eval_samples": seen,
+                "box_ap_by_size": {k: ap[k] for k in ("ap_small", "ap_medium", "ap_large")},
+                "detection_classes": classes,
+            }
+            if ctx.is_main and figures:
+                try:
+                    if shown:
+                        images = torch.stack([row[0] for row in shown])
+                        out = cfg.run_path / "figures" / "detection_boxes.png"
+                        figure = detection_figure(
+                            images, [r[1] for r in shown], [r[2] for r in shown], classes, out
+                        )
+                        tracker.log_artifact(str(figure), "figures")
+                    else:
+                        details["figures_skipped"] = {"detection_boxes": "no readable eval image on rank 0"}
+                except Exception as exc:  # figures are optional: a plotting failure must not lose the metrics
+                    log.exception("detection figure failed")
+                    details["figures_skipped"] = {"detection_boxes": f"failed: {exc!r}"}
+            if ctx.is_main:
+                _count_unreadable(cfg, info, seen, details)
+            return metrics, details
+
+        metrics, details = _with_ema(cfg, ctx, model, measure)
         _finish(cfg, ctx, tracker, metrics, details, meta, report)
     dist.barrier()
     return metrics

@@ -2,6 +2,7 @@
 
     ckpt_dir/step_00000040/   DeepSpeed's files (mp_rank_00_model_states.pt, zero_pp_rank_R_*...)
                               rank_R.pt        this rank's RNG states and data-stream position
+                              ema_rank_R_fp32.safetensors  its share of the weight EMA (optim.ema_decay)
                               COMPLETE.json    written by rank 0 after every rank's files are on disk:
                                                the file list with sizes, and the sha256 of each
     ckpt_dir/latest           the newest complete tag, replaced atomically (write tmp, rename)
@@ -42,6 +43,7 @@ import os
 import random
 import shutil
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,9 +137,12 @@ def save(
     store: Store | None = None,
     local_rank: int = 0,
     meta: dict | None = None,
+    write_more: Callable[[Path], object] | None = None,
 ) -> Path:
     """Collective: every rank must call it (rank-0-only saving hangs, DeepSpeed issue 2993). `meta` goes into
     COMPLETE.json (the loop records its micro-batch and global batch: a resume on another world size keeps it).
+    `write_more(tag_dir)` writes this rank's further files into the tag (the weight EMA's), named with
+    `rank_R_` so that they are this rank's (`owned_by`): checked, listed and uploaded with DeepSpeed's.
 
     Every node's first local rank (`local_rank` 0) tends its own disk: without a shared filesystem the
     other nodes' tags are not on rank 0's disk.
@@ -153,6 +158,8 @@ def save(
     dist.barrier()
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, save_latest=False)
     torch.save({"rng": rng_state(), "extra": extra or {}}, tag_dir / f"rank_{rank}.pt")
+    if write_more is not None:
+        write_more(tag_dir)
     dist.barrier()  # every rank's files are on disk (its own node's disk, without a shared filesystem)
     # Each rank describes (and uploads) the files it wrote; rank 0 records them all.
     mine = sorted(

@@ -2,6 +2,7 @@
 
 RUN_DIR/export/model.safetensors   fp32 weights in the timm layout (a plain ViT for MAE / masked
                                    patch prediction: their encoder, as fine-tuning starts from)
+RUN_DIR/export/model_ema.safetensors  the weight EMA (optim.ema_decay), in the same layout
 RUN_DIR/export/model.json          which model, its constructor arguments, the step, the source, and
                                    the preprocessing its inputs had (mean, std, eval interpolation),
                                    which a stage that starts from it takes unless it sets its own
@@ -18,11 +19,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from data_prep import atomic
-from data_prep.storage import Store, is_uri
+from data_prep.storage import Store, child, is_uri
 from pipeline.models import create_model
 from pipeline.models.convert import encoder_name, timm_name, unwrap_state_dict
 
 WEIGHTS, META = "model.safetensors", "model.json"
+EMA_WEIGHTS = "model_ema.safetensors"  # the weight EMA (optim.ema_decay), in the same layout
 
 
 def export_weights(
@@ -32,16 +34,24 @@ def export_weights(
     out_dir: Path,
     step: int,
     preprocessing: dict | None = None,
+    ema: dict[str, torch.Tensor] | None = None,
+    ema_decay: float | None = None,
 ) -> Path:
-    """Rebuild the model on CPU from the consolidated state, take its plain-ViT form, write it atomically."""
+    """Rebuild the model on CPU from the consolidated state, take its plain-ViT form, write it atomically;
+    with `ema` (the weight EMA's parameters; buffers come from `state`) also EMA_WEIGHTS, the same way."""
     model = create_model(model_name, **model_kwargs)
-    model.load_state_dict(state)
     exported = "encoder" if hasattr(model, "export_encoder") else "model"
-    plain = model.export_encoder() if exported == "encoder" else model
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().float().contiguous() for k, v in plain.state_dict().items()}
-    with atomic.writing(out_dir / WEIGHTS) as tmp:
-        save_file(tensors, str(tmp), metadata={"model": model_name, "step": str(step)})
+    plain = None
+    for name, weights in ((WEIGHTS, state), (EMA_WEIGHTS, None if ema is None else {**state, **ema})):
+        if weights is None:
+            (out_dir / name).unlink(missing_ok=True)  # an earlier export's EMA is not this one's
+            continue
+        model.load_state_dict(weights)
+        plain = model.export_encoder() if exported == "encoder" else model
+        tensors = {k: v.detach().float().contiguous() for k, v in plain.state_dict().items()}
+        with atomic.writing(out_dir / name) as tmp:
+            save_file(tensors, str(tmp), metadata={"model": model_name, "step": str(step)})
     meta = {
         "model": model_name,
         "model_kwargs": model_kwargs,
@@ -49,6 +59,7 @@ def export_weights(
         "step": step,
         "num_params": sum(v.numel() for v in tensors.values()),
         **({"preprocessing": preprocessing} if preprocessing else {}),
+        **({"ema": {"weights": EMA_WEIGHTS, "decay": ema_decay}} if ema is not None else {}),
     }
     grid = getattr(plain, "grid_size", None)  # a plain ViT's: its timm name (timm.create_model takes it)
     patch = getattr(getattr(plain, "patch_embed", None), "patch_size", None)
@@ -58,6 +69,20 @@ def export_weights(
             meta["timm_name"] = found
     atomic.write_json(out_dir / META, meta, indent=2, default=str)
     return out_dir / WEIGHTS
+
+
+def ema_weights(path: str | Path) -> str | None:
+    """The EMA weights beside an export (a folder, local or a storage URI, or its model.safetensors), or None
+    where it has none."""
+    if is_uri(path):
+        base, _, query = str(path).partition("?")
+        folder = base.rstrip("/").removesuffix(f"/{WEIGHTS}") + (f"?{query}" if query else "")
+        return child(folder, EMA_WEIGHTS) if Store(folder).exists(EMA_WEIGHTS) else None
+    local = Path(path)
+    folder = local if local.is_dir() else local.parent if local.name == WEIGHTS else None
+    if folder is None or not (folder / EMA_WEIGHTS).is_file():
+        return None
+    return str(folder / EMA_WEIGHTS)
 
 
 def export_preprocessing(path: str | Path) -> dict | None:
@@ -92,13 +117,27 @@ def export_preprocessing(path: str | Path) -> dict | None:
 
 
 def load_exported(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """(state dict, description) of an export folder or its .safetensors file, local or on object storage."""
+    """(state dict, description) of an export folder or a weights file in one (model.safetensors,
+    model_ema.safetensors, a public checkpoint), local or on object storage."""
     if is_uri(path):
+        base, _, query = str(path).partition("?")
+        base, name = base.rstrip("/"), None
+        if base.endswith((".safetensors", ".pth", ".pt", ".bin")):
+            base, _, name = base.rpartition("/")
+        store = Store(f"{base}?{query}" if query else base)
+        if name is None:  # a folder: the file _weights_in would take, and only it (not the EMA beside it)
+            files = store.list_files("")
+            name = next((n for n in (WEIGHTS, "pytorch_model.bin") if n in files), None)
+            pth = [n for n in files if n.endswith(".pth")]
+            name = name or (pth[0] if len(pth) == 1 else WEIGHTS)
         with tempfile.TemporaryDirectory(prefix="vitpipe-export-") as tmp:
-            local = Store(str(path)).download_dir("", Path(tmp) / "export")
-            if not (local / WEIGHTS).is_file():
-                raise FileNotFoundError(f"{path}: no exported weights ({WEIGHTS}) at this storage location")
-            state, meta = load_exported(local)
+            for n in (name, META, "config.json"):
+                if n == name or store.exists(n):
+                    try:
+                        store.download_file(n, Path(tmp) / n)
+                    except FileNotFoundError:
+                        raise FileNotFoundError(f"{store.describe(n)}: no exported weights there") from None
+            state, meta = load_exported(Path(tmp) / name)
             return state, {**meta, "source": str(path)}
     path = Path(path)
     weights = _weights_in(path) if path.is_dir() else path

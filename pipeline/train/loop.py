@@ -7,8 +7,8 @@ A step makes no host sync: the loss is read, metrics logged and stop requests ag
 `tracking.log_every` steps (tests/test_host_sync.py counts every tensor-to-host read of a run).
 
 Exactness: a stage stopped after step N and resumed gives the same per-step losses and final weights
-as an uninterrupted one (CPU, fp32): the checkpoint holds model, optimizer, scheduler, step, every
-rank's RNG states, and the data stream's deal, which continues at batch N x grad_accum (see
+(and weight EMA) as an uninterrupted one (CPU, fp32): the checkpoint holds model, optimizer, scheduler,
+step, every rank's RNG states, its share of the weight EMA (pipeline.train.ema), and the data stream's deal, which continues at batch N x grad_accum (see
 pipeline.data.train_stream). Resumed on another number of ranks, the ZeRO state is resharded
 (pipeline.train.checkpoint), the global batch kept (`keep_global_batch`) and the stream re-dealt
 (pipeline.data.deal).
@@ -42,6 +42,7 @@ from pipeline.models.layers import checkpointed_fraction
 from pipeline.objectives import build_objective
 from pipeline.stage import init_weights, model_kwargs, open_stage, output_classes, preprocessing_of
 from pipeline.train import checkpoint
+from pipeline.train.ema import WeightEma
 from pipeline.train.engine import build_engine, consolidated_state_dict, peak_lr
 from pipeline.train.export import export_weights
 
@@ -248,6 +249,7 @@ def train(
         seed=cfg.seed,
     )
     start = restored.step if restored else 0
+    ema = _weight_ema(engine, cfg, ctx, ckpt_dir, restored)
     accum = cfg.deepspeed.grad_accum
     global_batch = cfg.data.batch_size * accum * ctx.world_size
     # Which samples each rank and loader worker reads: a resume on another shape re-deals the rest of the epoch.
@@ -274,6 +276,7 @@ def train(
             store=store,
             local_rank=ctx.local_rank,
             meta=meta,
+            write_more=None if ema is None else ema.save,
         )
         ckpt_seconds[0] += time.perf_counter() - t
         return path
@@ -337,6 +340,8 @@ def train(
                 loss, metrics, batch, waited = train_step(
                     engine, objective, batches, to_device, cfg.seed, step, accum, ctx.rank
                 )
+                if ema is not None:
+                    ema.update()
                 done = step + 1
                 steps_since_log += 1
                 data_wait += waited
@@ -428,6 +433,7 @@ def train(
             final_dir = save(cfg.optim.steps)
             if cfg.checkpoint.export:
                 state = consolidated_state_dict(engine)  # a collective: every rank
+                ema_state = None if ema is None else ema.consolidated(ctx.device)  # likewise
                 failure = None
                 if ctx.is_main:
                     try:
@@ -439,6 +445,8 @@ def train(
                                 run_path / "export",
                                 cfg.optim.steps,
                                 preprocessing=preprocessing_of(cfg),
+                                ema=ema_state,
+                                ema_decay=cfg.optim.ema_decay,
                             )
                         )
                         if store is not None:  # the next stage may run on other machines: it reads this copy
@@ -470,6 +478,35 @@ def train(
             )
     dist.barrier()
     return result
+
+
+def _weight_ema(
+    engine, cfg: StageConfig, ctx, ckpt_dir: Path, restored: checkpoint.Restored | None
+) -> WeightEma | None:
+    """The stage's weight EMA (optim.ema_decay), or None: from the resumed checkpoint's EMA where it has one,
+    else from the current weights. Every rank must call it; a rank that cannot load its share fails them all."""
+    if not cfg.optim.ema_decay:
+        return None
+    ema = WeightEma(engine, cfg.optim.ema_decay, ctx.rank, ctx.world_size, ctx.control_group)
+    if restored is None:
+        return ema
+    failure, found = None, False
+    try:
+        found = ema.load(ckpt_dir / restored.tag)
+    except Exception as exc:  # the other ranks must not go on into the first step's collectives
+        failure = exc
+    if not checkpoint.all_agree(failure is None, ctx.control_group):
+        if failure is not None:
+            raise failure
+        raise RuntimeError(f"rank {ctx.rank}: another rank could not load the weight EMA of {restored.tag}")
+    if not checkpoint.all_agree(found, ctx.control_group):
+        ema.reset()  # every rank restarts it, or none: one EMA
+        if ctx.is_main:
+            log.warning(
+                "checkpoint %s holds no weight EMA (saved without optim.ema_decay): the EMA starts from its weights",
+                restored.tag,
+            )
+    return ema
 
 
 def _shutdown_loader(batches) -> None:

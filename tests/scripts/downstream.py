@@ -5,7 +5,8 @@ det_resumed: the last ZeRO stage's run stopped halfway and resumed).
 
 torchrun --standalone --nproc-per-node 2 tests/scripts/downstream.py TASK OUT_DIR DATA_DIR ZERO_STAGE...
 
-Every stage logs to OUT_DIR/mlflow.db; the test reads the losses, eval.json and the figure.
+Every training stage keeps a weight EMA (exported beside its weights; MAE's as a plain ViT encoder). Every
+stage logs to OUT_DIR/mlflow.db; the test reads the losses, eval.json and the figure.
 """
 
 import sys
@@ -34,6 +35,7 @@ def common(out: Path, data: str, name: str) -> list[str]:
         "tracking.system_metrics=false",
         f"tracking.uri=sqlite:///{out}/mlflow.db",  # one store for every run (new stores cost ~4 s each)
         "deepspeed.precision=fp32",
+        "optim.ema_decay=0.8",  # exported beside the weights: the eval stage evaluates both
     ]
 
 

@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 tests/scripts/remote_resume.py OUT_DIR DATA_DIR STORE_URI
 
-OUT_DIR/straight: 8 uninterrupted steps, local checkpoints only. OUT_DIR/remote: the same run with
+OUT_DIR/straight: 8 uninterrupted steps, local checkpoints only, with a weight EMA (as both runs). OUT_DIR/remote: the same run with
 checkpoint.uri=STORE_URI, stopped at step 4; its local run directory is then deleted (a new machine)
 and the run is started again, which must resume from the stored step 4 and continue its MLflow run.
 """
@@ -19,7 +19,7 @@ from pipeline.train.engine import shutdown_distributed
 
 
 def run(out: Path, data: str, name: str, *extra: str) -> None:
-    smoke_run(out / name, data, out, "deepspeed.zero_stage=2", *extra)
+    smoke_run(out / name, data, out, "deepspeed.zero_stage=2", "optim.ema_decay=0.9", *extra)
 
 
 def main() -> None:

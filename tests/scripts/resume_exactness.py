@@ -15,7 +15,12 @@ from pipeline.train.engine import shutdown_distributed
 
 
 def run(out: Path, data: str, stage: int, name: str, *extra: str) -> None:
-    overrides = [f"deepspeed.zero_stage={stage}", "model.overrides.drop_path_rate=0.1", *extra]
+    overrides = [
+        f"deepspeed.zero_stage={stage}",
+        "model.overrides.drop_path_rate=0.1",
+        "optim.ema_decay=0.9",  # its share is checkpointed: the resumed EMA is the uninterrupted one
+        *extra,
+    ]
     smoke_run(out / f"zero{stage}" / name, data, out, *overrides)
 
 

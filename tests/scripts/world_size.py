@@ -18,7 +18,9 @@ from pipeline.train.engine import shutdown_distributed
 
 
 def run(out: Path, data: str, stage: int, name: str, *extra: str) -> None:
-    smoke_run(out / f"zero{stage}" / name, data, out, f"deepspeed.zero_stage={stage}", *extra)
+    smoke_run(
+        out / f"zero{stage}" / name, data, out, f"deepspeed.zero_stage={stage}", "optim.ema_decay=0.9", *extra
+    )
 
 
 def main() -> None:

@@ -1,0 +1,229 @@
+"""Weight EMA (`optim.ema_decay`): an fp32 exponential moving average of the weights, as DeiT (timm's ModelEma)
+and big_vision keep, evaluated beside the raw weights.
+
+    ema <- decay * ema + (1 - decay) * weights        after every optimizer step, from the step-0 weights
+
+Each rank keeps the EMA of its own share of the parameters only, beside the fp32 master weights it already
+holds, so the EMA costs 4 bytes per parameter / world size on each rank, and its update no communication:
+
+- ZeRO-1/2: the fragment of each parameter in this rank's optimizer partition (DeepSpeed's `_hp_mapping`);
+- ZeRO-3: this rank's partition of each parameter (`ds_tensor`'s range; its fp32 master);
+- ZeRO-0: every rank holds every weight; rank r keeps the r-th of world-size equal slices of the
+  parameters laid end to end (the fp32 masters of DeepSpeed's bf16 wrapper, or the weights in fp32).
+
+A share is a list of fragments (parameter name, [start, stop) of its flattened elements), so the state is
+independent of how it was partitioned: a checkpoint holds one file per rank,
+
+    TAG/ema_rank_R_fp32.safetensors    R's fragments (1-D fp32), their ranges in the header
+
+and a rank resuming on another world size, or another ZeRO stage, reads the ranges of its new share from
+whichever files hold them (safetensors slices: bytes in proportion to its own share). On the same world size
+a rank reads its own file only: the file its own node saved. The export assembles the whole EMA on rank 0
+(one reduce per parameter, as the raw weights' `safe_get_full_fp32_param` gathers them) into
+export/model_ema.safetensors beside export/model.safetensors.
+
+The update is one `torch._foreach_lerp_` over this rank's fragments: no host sync, no collective.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from data_prep import atomic
+
+log = logging.getLogger(__name__)
+
+FILE = "ema_rank_{rank}_fp32.safetensors"  # `rank_R_` in the name: the checkpoint code's owner rule
+GLOB = "ema_rank_*_fp32.safetensors"
+
+
+@dataclass(frozen=True)
+class Fragment:
+    name: str  # the parameter's name in module.named_parameters()
+    start: int  # [start, stop) of the parameter's flattened elements
+    stop: int
+    numel: int  # the whole parameter's
+
+
+def ema_file(rank: int) -> str:
+    return FILE.format(rank=rank)
+
+
+def local_masters(engine, rank: int, world_size: int) -> list[tuple[Fragment, torch.Tensor]]:
+    """This rank's share of the trainable parameters: (fragment, a 1-D view of its fp32 master values) each,
+    in named_parameters order. The views are the optimizer's own tensors, which it updates in place."""
+    from pipeline.train.engine import _stage0_fp32_masters
+
+    params = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+    if any(hasattr(p, "ds_id") for _, p in params):
+        return _zero3_masters(engine.optimizer, params)
+    if any(hasattr(p, "_hp_mapping") for _, p in params):  # ZeRO-1/2 (and DeepSpeed's BF16_Optimizer)
+        out = []
+        for name, p in params:
+            mapping = getattr(p, "_hp_mapping", None)
+            if mapping is None:  # none of this parameter is in this rank's partition
+                continue
+            address = mapping.lp_fragment_address
+            if address.numel:
+                out.append(
+                    (
+                        Fragment(name, address.start, address.start + address.numel, p.numel()),
+                        mapping.get_hp_fragment().view(-1),
+                    )
+                )
+        return out
+    masters = _stage0_fp32_masters(engine)  # empty in fp32: the module's weights are the masters
+    total = sum(p.numel() for _, p in params)
+    lo, hi = rank * total // world_size, (rank + 1) * total // world_size
+    out, offset = [], 0
+    for name, p in params:
+        start, stop = max(lo, offset), min(hi, offset + p.numel())
+        if start < stop:
+            master = masters.get(id(p), p).detach().view(-1)
+            out.append(
+                (
+                    Fragment(name, start - offset, stop - offset, p.numel()),
+                    master[start - offset : stop - offset],
+                )
+            )
+        offset += p.numel()
+    return out
+
+
+def _zero3_masters(optimizer, params) -> list[tuple[Fragment, torch.Tensor]]:
+    """ZeRO-3: each parameter is split into world-size partitions of `partition_numel` elements (the last one
+    padded); this rank's fp32 master partition is a view into the optimizer's flat fp32 group."""
+    out = []
+    for name, p in params:
+        size = p.partition_numel()
+        start = size * optimizer._get_param_partition_rank(p)
+        stop = min(start + size, p.ds_numel)
+        if start >= stop:  # a small parameter's padding-only partition
+            continue
+        master, _ = optimizer._get_fp32_opt_state_partition(p, release_swap_buffers=False)
+        out.append((Fragment(name, start, stop, p.ds_numel), master.view(-1)[: stop - start]))
+    return out
+
+
+class WeightEma:
+    """This rank's part of the weight EMA. Built after the engine (and its resume): it starts from the
+    current weights; `load` then puts a checkpoint's EMA in its place."""
+
+    def __init__(self, engine, decay: float, rank: int, world_size: int, group=None) -> None:
+        """`group`: a gloo group (the control group) for the CPU check that the shares cover the model."""
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"optim.ema_decay must be in (0, 1), got {decay}")
+        self.decay, self.rank, self.world_size = decay, rank, world_size
+        pairs = local_masters(engine, rank, world_size)
+        self.fragments = [f for f, _ in pairs]
+        self._masters = [m for _, m in pairs]
+        self.ema = [m.detach().float().clone() for m in self._masters]
+        # Every rank names every trainable parameter in one order: the export reduces them one by one.
+        self.params = [
+            (
+                n,
+                tuple(getattr(p, "ds_shape", p.shape)),
+            )  # ZeRO-3 leaves an empty p.data; ds_shape is the real one
+            for n, p in engine.module.named_parameters()
+            if p.requires_grad
+        ]
+        self._check_cover(sum(math.prod(s) for _, s in self.params), group)
+
+    def _check_cover(self, total: int, group) -> None:
+        """The ranks' shares together hold every trainable element once (else the export would be wrong)."""
+        owned = torch.tensor([sum(f.stop - f.start for f in self.fragments)], dtype=torch.int64)
+        counts = [torch.zeros_like(owned) for _ in range(self.world_size)]
+        dist.all_gather(counts, owned, group=group)
+        if sum(int(c) for c in counts) != total:
+            raise RuntimeError(
+                f"weight EMA: the ranks' shares hold {[int(c) for c in counts]} elements, "
+                f"{sum(int(c) for c in counts)} in all, for {total} trainable elements"
+            )
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """After an optimizer step: ema += (1 - decay) * (weights - ema), on the masters' device."""
+        if self.ema:
+            torch._foreach_lerp_(self.ema, self._masters, 1.0 - self.decay)
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Restart from the current weights (a checkpoint saved without an EMA)."""
+        for ema, master in zip(self.ema, self._masters):
+            ema.copy_(master)
+
+    def save(self, tag_dir: Path) -> Path:
+        """Write this rank's fragments into a checkpoint tag (atomically)."""
+        path = tag_dir / ema_file(self.rank)
+        tensors = {f.name: e.detach().cpu().contiguous() for f, e in zip(self.fragments, self.ema)}
+        ranges = {f.name: [f.start, f.stop, f.numel] for f in self.fragments}
+        header = {"ranges": json.dumps(ranges), "decay": repr(self.decay), "world_size": str(self.world_size)}
+        with atomic.writing(path) as tmp:
+            save_file(tensors, str(tmp), metadata=header)
+        return path
+
+    @torch.no_grad()
+    def load(self, tag_dir: Path) -> bool:
+        """Take the EMA a checkpoint tag holds for this rank's share; False when the tag has no EMA files (then
+        this EMA is unchanged). Its own rank's file first: on the same world size and partitioning that file
+        holds the whole share and no other is opened."""
+        files = sorted(tag_dir.glob(GLOB))
+        if not files:
+            return False
+        own = tag_dir / ema_file(self.rank)
+        files = ([own] if own in files else []) + [f for f in files if f != own]
+        by_name: dict[str, list[int]] = {}
+        for i, frag in enumerate(self.fragments):
+            by_name.setdefault(frag.name, []).append(i)
+        missing = sum(f.stop - f.start for f in self.fragments)
+        for path in files:
+            if missing == 0:
+                break
+            with safe_open(str(path), framework="pt") as saved:
+                ranges = json.loads((saved.metadata() or {}).get("ranges", "{}"))
+                for name, (start, stop, numel) in ranges.items():
+                    for i in by_name.get(name, ()):
+                        frag = self.fragments[i]
+                        if numel != frag.numel:
+                            raise ValueError(
+                                f"{path}: EMA of parameter {name!r} has {numel} elements, this model's {frag.numel}"
+                            )
+                        lo, hi = max(start, frag.start), min(stop, frag.stop)
+                        if lo < hi:
+                            piece = saved.get_slice(name)[lo - start : hi - start]
+                            self.ema[i][lo - frag.start : hi - frag.start].copy_(piece)
+                            missing -= hi - lo
+        if missing:
+            raise RuntimeError(
+                f"{tag_dir}: the EMA files ({', '.join(f.name for f in files)}) lack {missing} elements of rank "
+                f"{self.rank}'s share of the weights (saved on another world size, the checkpoint's every file "
+                "must be on this node: a shared run_dir or checkpoint.uri)"
+            )
+        return True
+
+    @torch.no_grad()
+    def consolidated(self, device: torch.device) -> dict[str, torch.Tensor] | None:
+        """The whole EMA in fp32 on rank 0's CPU (None elsewhere); every rank must call it. Each parameter is
+        summed over the ranks from zeros and each rank's fragment: every element has one owner, so it is exact."""
+        by_name: dict[str, list[int]] = {}
+        for i, frag in enumerate(self.fragments):
+            by_name.setdefault(frag.name, []).append(i)
+        out: dict[str, torch.Tensor] = {}
+        for name, shape in self.params:
+            full = torch.zeros(math.prod(shape), dtype=torch.float32, device=device)
+            for i in by_name.get(name, ()):
+                frag = self.fragments[i]
+                full[frag.start : frag.stop].copy_(self.ema[i])
+            dist.reduce(full, dst=0)
+            if self.rank == 0:
+                out[name] = full.view(shape).cpu()
+        return out if self.rank == 0 else None
