@@ -45,6 +45,10 @@ def _compile_s() -> float:
     return cases["vit_s16_64px_compiled"]["warmup_s"] - cases["vit_s16_64px"]["warmup_s"]
 
 
+def _ema_megabytes() -> float:
+    return json.loads((RESULTS / "ema.json").read_text())["zero3"]["ema_bytes_per_rank"] / 1e6
+
+
 def _minutes_seconds(shown: str) -> float:
     m, s = re.fullmatch(r"(\d+)m(\d+)s", shown).groups()
     return int(m) * 60 + int(s)
@@ -72,6 +76,18 @@ CLAIMS = [
         "docs/cluster.md",
         r"ZeRO-3 holds (\d+\.\d+)x of ZeRO-0",
         [result("zero_memory.json", "ratio_zero3_over_zero0")],
+    ),
+    (
+        "README.md",
+        r"a rank keeps (\d+\.\d+) MB of the EMA, 1/(\d+) of the model; its update costs (\d+\.\d+)x the rank's "
+        r"AdamW step on the same share; a resume on (\d+) ranks reads each rank's share exactly, from at most (\d+) of",
+        [
+            derived("bench/results/ema.json: zero3.ema_bytes_per_rank / 1e6", _ema_megabytes),
+            result("ema.json", "world"),
+            result("ema.json", "zero3.update.ratio_median"),
+            result("ema.json", "resume_world"),
+            result("ema.json", "zero3.resume.max_files_opened_on_another_world"),
+        ],
     ),
     (
         "README.md",

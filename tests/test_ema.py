@@ -10,6 +10,7 @@ and an eval stage's eval_ema/* metrics (tests/test_eval_stage.py).
 """
 
 import json
+import math
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from safetensors.torch import load_file
 
 from pipeline.config import ConfigError, load_config
 from pipeline.models import create_model
+from pipeline.train.ema import Fragment, WeightEma, flat_share, reading_order
 from pipeline.train.export import EMA_WEIGHTS, META, WEIGHTS, ema_weights, export_weights, load_exported
 
 SCRIPT = "tests/scripts/ema.py"
@@ -80,6 +82,85 @@ def test_each_rank_keeps_its_share_and_the_ema_is_the_whole_model_one_then_reloa
     for stage in STAGES:
         loaded = json.loads((tmp_path / f"zero{stage}" / f"loaded_on_{load_ranks}.json").read_text())
         assert loaded["differ"] == [], f"ZeRO-{stage} -> {(int(stage) + 1) % 4} on {load_ranks}: {loaded}"
-    missing = json.loads((tmp_path / "zero0" / f"loaded_on_{load_ranks}.json").read_text())
-    assert "ema_rank_0_fp32.safetensors" in missing["without_rank_1"]
-    assert "lack" in missing["without_rank_1"] and "elements of rank" in missing["without_rank_1"]
+    missing = json.loads((tmp_path / "zero0" / f"loaded_on_{load_ranks}.json").read_text())["without_rank_1"]
+    assert "partial_" in missing and "the EMA files of 2 saved ranks (1 here) lack" in missing
+    assert f"elements of rank {load_ranks - 1}'s share" in missing  # the last rank's share lay in rank 1's
+
+
+def _zero3(params, rank: int, world: int) -> list[Fragment]:
+    """ZeRO-3's partition (part `rank` of `world` equal parts of every parameter, the last one short)."""
+    out = []
+    for name, shape in params:
+        numel = math.prod(shape)
+        size = -(-numel // world)
+        if rank * size < numel:
+            out.append(Fragment(name, rank * size, min((rank + 1) * size, numel), numel))
+    return out
+
+
+def _flat(params, rank: int, world: int) -> list[Fragment]:
+    return flat_share([(n, math.prod(s)) for n, s in params], rank, world)
+
+
+def _whole(params, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(math.prod(s), generator=g) for n, s in params}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "saved_layout, loaded_layout, new_world, most_files",
+    [
+        (_zero3, _zero3, 12, 3),  # ZeRO-3 on 16 -> 12: the owners under ZeRO-3's cut, seen in the first file
+        (_flat, _flat, 12, 2),  # ZeRO-0 on 16 -> 12: the ranks at the same place
+        (_zero3, _zero3, 16, 1),  # the same world: its own file
+        (_flat, _zero3, 12, 16),  # another ZeRO stage: right, whatever it opens
+        (_zero3, _flat, 5, 16),
+    ],
+)
+def test_a_saved_ema_loads_on_another_layout_reading_only_the_share_from_few_files(
+    tmp_path, saved_layout, loaded_layout, new_world, most_files
+):
+    """Single process, no engine: 16 saved shares of a model with parameters of very different sizes (a bias
+    of 5 elements is held by 5 of 16 ranks under ZeRO-3), then every rank of the new world loads its own."""
+    params = [("a", (7, 33)), ("b", (5,)), ("c", (40, 16)), ("d", (1,)), ("e", (300,))]
+    truth = _whole(params, seed=0)
+    for rank in range(16):
+        frags = saved_layout(params, rank, 16)
+        pairs = [(f, truth[f.name][f.start : f.stop].clone()) for f in frags]
+        WeightEma(pairs, params, 0.9, rank, 16).save(tmp_path)
+    for rank in range(new_world):
+        frags = loaded_layout(params, rank, new_world)
+        pairs = [(f, torch.zeros(f.stop - f.start)) for f in frags]
+        ema = WeightEma(pairs, params, 0.9, rank, new_world)
+        assert ema.load(tmp_path)
+        for f, values in zip(ema.fragments, ema.ema):
+            assert torch.equal(values, truth[f.name][f.start : f.stop]), (rank, f)
+        share = sum(f.stop - f.start for f in frags)
+        assert ema.last_load["elements_read"] == share and ema.last_load["files_opened"] <= most_files, (
+            rank,
+            ema.last_load,
+        )
+
+
+@pytest.mark.unit
+def test_reading_order_starts_where_the_share_lay_and_names_every_saved_rank():
+    assert reading_order(5, 16, 16)[0] == 5
+    assert reading_order(300, 512, 1024)[:2] == [600, 601]  # half the ranks: two saved shares each
+    assert reading_order(3, 4, 3)[:1] == [2]
+    for rank, world, saved in ((0, 3, 7), (6, 7, 3), (511, 512, 1024)):
+        assert sorted(reading_order(rank, world, saved)) == list(range(saved))
+
+
+@pytest.mark.unit
+def test_an_ema_of_another_model_is_refused_naming_the_file_and_parameter(tmp_path):
+    params = [("a", (4, 4))]
+    WeightEma([(Fragment("a", 0, 16, 16), torch.ones(16))], params, 0.9, 0, 1).save(tmp_path)
+    other = WeightEma([(Fragment("a", 0, 8, 8), torch.ones(8))], [("a", (8,))], 0.9, 0, 1)
+    with pytest.raises(
+        ValueError,
+        match=r"ema_rank_0_fp32.safetensors: EMA of parameter 'a' has 16 elements, "
+        r"this model's 8",
+    ):
+        other.load(tmp_path)
+    assert not WeightEma([], params, 0.9, 0, 1).load(tmp_path / "nothing")  # no EMA files: nothing taken

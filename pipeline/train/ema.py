@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +40,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from data_prep import atomic
+from pipeline.train.engine import _stage0_fp32_masters
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +60,37 @@ def ema_file(rank: int) -> str:
     return FILE.format(rank=rank)
 
 
+def reading_order(rank: int, world_size: int, saved_world: int) -> list[int]:
+    """The saved ranks in the order a rank of `world_size` opens their files: those whose share lay where this
+    rank's lies (saved ranks [rank x S / W, (rank + 1) x S / W) for S saved ranks), then outwards from there."""
+    lo = rank * saved_world // world_size
+    hi = max(lo + 1, -(-(rank + 1) * saved_world // world_size))
+    return sorted(
+        range(saved_world), key=lambda r: (0 if lo <= r < hi else min(abs(r - lo), abs(r - hi + 1)), r)
+    )
+
+
+def _per_parameter(ranges: dict, rank: int, saved_world: int) -> bool:
+    """Whether a saved rank's ranges are ZeRO-3's partitions: part `rank` of S equal parts of each parameter."""
+    return bool(ranges) and all(
+        start == rank * -(-numel // saved_world) and stop == min(start + -(-numel // saved_world), numel)
+        for start, stop, numel in ranges.values()
+    )
+
+
+def _zero3_owners(fragments: list[Fragment], saved_world: int) -> list[int]:
+    """The saved ranks that held these fragments' elements under ZeRO-3's partitioning, most elements first."""
+    counts: dict[int, int] = {}
+    for f in fragments:
+        size = -(-f.numel // saved_world)
+        for k in range(f.start // size, (f.stop - 1) // size + 1):
+            counts[k] = counts.get(k, 0) + min(f.stop, (k + 1) * size) - max(f.start, k * size)
+    return sorted(counts, key=lambda k: -counts[k])
+
+
 def local_masters(engine, rank: int, world_size: int) -> list[tuple[Fragment, torch.Tensor]]:
     """This rank's share of the trainable parameters: (fragment, a 1-D view of its fp32 master values) each,
     in named_parameters order. The views are the optimizer's own tensors, which it updates in place."""
-    from pipeline.train.engine import _stage0_fp32_masters
-
     params = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
     if any(hasattr(p, "ds_id") for _, p in params):
         return _zero3_masters(engine.optimizer, params)
@@ -82,20 +110,21 @@ def local_masters(engine, rank: int, world_size: int) -> list[tuple[Fragment, to
                 )
         return out
     masters = _stage0_fp32_masters(engine)  # empty in fp32: the module's weights are the masters
-    total = sum(p.numel() for _, p in params)
+    views = {name: masters.get(id(p), p).detach().view(-1) for name, p in params}
+    share = flat_share([(name, p.numel()) for name, p in params], rank, world_size)
+    return [(f, views[f.name][f.start : f.stop]) for f in share]
+
+
+def flat_share(sizes: list[tuple[str, int]], rank: int, world_size: int) -> list[Fragment]:
+    """Rank `rank`'s 1/world_size slice of the parameters (name, numel) laid end to end (ZeRO-0's share)."""
+    total = sum(n for _, n in sizes)
     lo, hi = rank * total // world_size, (rank + 1) * total // world_size
     out, offset = [], 0
-    for name, p in params:
-        start, stop = max(lo, offset), min(hi, offset + p.numel())
+    for name, numel in sizes:
+        start, stop = max(lo, offset), min(hi, offset + numel)
         if start < stop:
-            master = masters.get(id(p), p).detach().view(-1)
-            out.append(
-                (
-                    Fragment(name, start - offset, stop - offset, p.numel()),
-                    master[start - offset : stop - offset],
-                )
-            )
-        offset += p.numel()
+            out.append(Fragment(name, start - offset, stop - offset, numel))
+        offset += numel
     return out
 
 
@@ -115,28 +144,39 @@ def _zero3_masters(optimizer, params) -> list[tuple[Fragment, torch.Tensor]]:
 
 
 class WeightEma:
-    """This rank's part of the weight EMA. Built after the engine (and its resume): it starts from the
-    current weights; `load` then puts a checkpoint's EMA in its place."""
+    """This rank's part of the weight EMA: `fragments` of the parameters `params` (every trainable one, with its
+    shape: the same list on every rank), each with a view of its master values, which `update` follows. Built
+    from an engine with `of_engine` after its resume: it starts from the current weights; `load` then puts a
+    checkpoint's EMA in its place."""
 
-    def __init__(self, engine, decay: float, rank: int, world_size: int, group=None) -> None:
-        """`group`: a gloo group (the control group) for the CPU check that the shares cover the model."""
+    def __init__(
+        self,
+        pairs: list[tuple[Fragment, torch.Tensor]],
+        params: list[tuple[str, tuple[int, ...]]],
+        decay: float,
+        rank: int,
+        world_size: int,
+    ) -> None:
         if not 0.0 < decay < 1.0:
             raise ValueError(f"optim.ema_decay must be in (0, 1), got {decay}")
-        self.decay, self.rank, self.world_size = decay, rank, world_size
-        pairs = local_masters(engine, rank, world_size)
+        self.decay, self.rank, self.world_size, self.params = decay, rank, world_size, params
         self.fragments = [f for f, _ in pairs]
         self._masters = [m for _, m in pairs]
         self.ema = [m.detach().float().clone() for m in self._masters]
-        # Every rank names every trainable parameter in one order: the export reduces them one by one.
-        self.params = [
-            (
-                n,
-                tuple(getattr(p, "ds_shape", p.shape)),
-            )  # ZeRO-3 leaves an empty p.data; ds_shape is the real one
+        self.last_load: dict = {}  # what the last `load` read: files opened, elements taken
+
+    @classmethod
+    def of_engine(cls, engine, decay: float, rank: int, world_size: int, group=None) -> WeightEma:
+        """The EMA of this rank's share of a DeepSpeed engine's weights. Collective: the ranks check that their
+        shares hold every trainable element once, over `group` (a gloo group: the control group)."""
+        params = [  # ZeRO-3 leaves an empty p.data; ds_shape is the real shape
+            (n, tuple(getattr(p, "ds_shape", p.shape)))
             for n, p in engine.module.named_parameters()
             if p.requires_grad
         ]
-        self._check_cover(sum(math.prod(s) for _, s in self.params), group)
+        ema = cls(local_masters(engine, rank, world_size), params, decay, rank, world_size)
+        ema._check_cover(sum(math.prod(s) for _, s in params), group)
+        return ema
 
     def _check_cover(self, total: int, group) -> None:
         """The ranks' shares together hold every trainable element once (else the export would be wrong)."""
@@ -174,20 +214,28 @@ class WeightEma:
     @torch.no_grad()
     def load(self, tag_dir: Path) -> bool:
         """Take the EMA a checkpoint tag holds for this rank's share; False when the tag has no EMA files (then
-        this EMA is unchanged). Its own rank's file first: on the same world size and partitioning that file
-        holds the whole share and no other is opened."""
-        files = sorted(tag_dir.glob(GLOB))
-        if not files:
+        this EMA is unchanged). Files are opened nearest first until the share is whole: on the same world size
+        and partitioning, this rank's own file alone; on another, those whose shares lay where this one lies
+        (`reading_order`: ZeRO-0 and ZeRO-1/2 cut the parameters, or each parameter group, end to end in rank
+        order), or, once the first file shows ZeRO-3's layout (every parameter cut in S equal parts), the owners
+        of this share's elements under it. Bytes read: this rank's share, from a few files (bench/ema.py)."""
+        by_rank = {int(p.name.split("_")[2]): p for p in tag_dir.glob(GLOB)}
+        if not by_rank:
             return False
-        own = tag_dir / ema_file(self.rank)
-        files = ([own] if own in files else []) + [f for f in files if f != own]
+        with safe_open(str(by_rank[min(by_rank)]), framework="pt") as first:  # its header says who saved it
+            saved_world = int((first.metadata() or {}).get("world_size", max(by_rank) + 1))
         by_name: dict[str, list[int]] = {}
         for i, frag in enumerate(self.fragments):
             by_name.setdefault(frag.name, []).append(i)
         missing = sum(f.stop - f.start for f in self.fragments)
-        for path in files:
-            if missing == 0:
-                break
+        queue = deque(reading_order(self.rank, self.world_size, saved_world))
+        opened: list[int] = []
+        read = 0
+        while queue and missing:
+            k = queue.popleft()
+            if k in opened or k not in by_rank:
+                continue
+            path = by_rank[k]
             with safe_open(str(path), framework="pt") as saved:
                 ranges = json.loads((saved.metadata() or {}).get("ranges", "{}"))
                 for name, (start, stop, numel) in ranges.items():
@@ -202,11 +250,16 @@ class WeightEma:
                             piece = saved.get_slice(name)[lo - start : hi - start]
                             self.ema[i][lo - frag.start : hi - frag.start].copy_(piece)
                             missing -= hi - lo
+                            read += hi - lo
+            if not opened and _per_parameter(ranges, k, saved_world):  # ZeRO-3's: the owners are known
+                queue.extendleft(reversed(_zero3_owners(self.fragments, saved_world)))
+            opened.append(k)
+        self.last_load = {"files_opened": len(opened), "elements_read": read, "saved_world": saved_world}
         if missing:
             raise RuntimeError(
-                f"{tag_dir}: the EMA files ({', '.join(f.name for f in files)}) lack {missing} elements of rank "
-                f"{self.rank}'s share of the weights (saved on another world size, the checkpoint's every file "
-                "must be on this node: a shared run_dir or checkpoint.uri)"
+                f"{tag_dir}: the EMA files of {saved_world} saved ranks ({len(by_rank)} here) lack {missing} "
+                f"elements of rank {self.rank}'s share of the weights (saved on another world size, the "
+                "checkpoint's every file must be on this node: a shared run_dir or checkpoint.uri)"
             )
         return True
 

@@ -487,7 +487,7 @@ def _weight_ema(
     else from the current weights. Every rank must call it; a rank that cannot load its share fails them all."""
     if not cfg.optim.ema_decay:
         return None
-    ema = WeightEma(engine, cfg.optim.ema_decay, ctx.rank, ctx.world_size, ctx.control_group)
+    ema = WeightEma.of_engine(engine, cfg.optim.ema_decay, ctx.rank, ctx.world_size, ctx.control_group)
     if restored is None:
         return ema
     failure, found = None, False

@@ -63,7 +63,7 @@ def trainable(engine) -> list[str]:
 
 def save(out: Path, precision: str, stage: int, ctx: DistContext) -> None:
     engine, cfg = engine_for(stage, precision, ctx)
-    ema = WeightEma(engine, DECAY, ctx.rank, ctx.world_size, ctx.control_group)
+    ema = WeightEma.of_engine(engine, DECAY, ctx.rank, ctx.world_size, ctx.control_group)
     names = trainable(engine)
     start = consolidated_state_dict(engine)
     reference = {k: start[k].clone() for k in names} if ctx.rank == 0 else None
@@ -100,7 +100,7 @@ def save(out: Path, precision: str, stage: int, ctx: DistContext) -> None:
 def load(out: Path, precision: str, stage: int, ctx: DistContext) -> None:
     root = out / f"zero{stage}"
     engine, _ = engine_for((stage + 1) % 4, precision, ctx)
-    ema = WeightEma(engine, DECAY, ctx.rank, ctx.world_size, ctx.control_group)
+    ema = WeightEma.of_engine(engine, DECAY, ctx.rank, ctx.world_size, ctx.control_group)
     assert ema.load(root / "tag")
     got = ema.consolidated(ctx.device)
     result = {}
