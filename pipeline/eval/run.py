@@ -435,7 +435,10 @@ def _finish(
             **details,
         }
         atomic.write_json(cfg.run_path / EVAL_FILE, summary, indent=2, default=str)
-        print(f"[{cfg.name}] " + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()), flush=True)
+        for ema in (False, True):  # the weight EMA's metrics on a line of their own
+            shown = [f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith(EMA_PREFIX) == ema]
+            if shown:
+                print(f"[{cfg.name}] " + " | ".join(shown), flush=True)
     if report is not None:
         report(dict(metrics))  # every rank, once (Ray Train needs equal report counts)
 

@@ -319,7 +319,9 @@ def train(
                 f"[{cfg.name}] {cfg.model.name} {num_params / 1e6:.2f}M params | "
                 f"{cfg.objective.name} | world {ctx.world_size} | global batch {global_batch} | "
                 f"lr {peak_lr(cfg, ctx.world_size):.2e} | ZeRO-{cfg.deepspeed.zero_stage} {cfg.deepspeed.precision} | "
-                f"steps {start}->{cfg.optim.steps}" + (f" (resumed from {restored.tag})" if restored else ""),
+                f"steps {start}->{cfg.optim.steps}"
+                + (f" | weight EMA {cfg.optim.ema_decay:g}" if ema is not None else "")
+                + (f" (resumed from {restored.tag})" if restored else ""),
                 flush=True,
             )
 
