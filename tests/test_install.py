@@ -10,7 +10,9 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import inspect
+import os
 import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -372,3 +374,27 @@ def test_make_wheelhouse_runs_the_recipe():
         ["make", "-n", "wheelhouse"], cwd=ROOT, capture_output=True, text=True, check=True, timeout=60
     ).stdout
     assert "tools/wheelhouse.py --out wheelhouse" in dry
+
+
+def test_deepspeed_is_imported_without_mlflow_and_mlflow_still_imports_after():
+    """A rank other than 0 never tracks, but `import deepspeed` imports mlflow for its autotuner (0.9 s of CPU
+    per process): the engine's import keeps it out, and rank 0's later `import mlflow` works."""
+    code = (
+        "import sys\n"
+        "from pipeline.train.engine import _deepspeed\n"
+        "_deepspeed()\n"
+        "import deepspeed.autotuning.autotuner as tuner\n"
+        "print('deepspeed' in sys.modules, 'mlflow' in sys.modules, tuner.has_mlflow)\n"
+        "import mlflow\n"
+        "print(mlflow.__name__)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DS_ACCELERATOR": "cpu"},
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["True", "False", "False", "mlflow"], proc.stdout

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,17 @@ class DistContext:
 
 def _deepspeed():
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    if "deepspeed" not in sys.modules and "mlflow" not in sys.modules:
+        # `import deepspeed` imports its autotuner, which imports mlflow where it is installed (0.9 s of CPU
+        # here) for autotuning runs that training never starts. Ranks other than 0 never use mlflow
+        # (pipeline.tracking); rank 0 imports it for tracking after this. A None entry makes that one
+        # import fail (the autotuner catches it); it is removed at once, so a later `import mlflow` works.
+        sys.modules["mlflow"] = None
+        try:
+            import deepspeed
+        finally:
+            if sys.modules.get("mlflow", ...) is None:
+                del sys.modules["mlflow"]
     import deepspeed
     import deepspeed.ops
 

@@ -1,7 +1,9 @@
 """Run under torchrun: the weight EMA of a real DeepSpeed engine, per ZeRO stage, against a reference.
 
-    torchrun --nproc-per-node 2 tests/scripts/ema.py save OUT PRECISION STAGES...
-    torchrun --nproc-per-node N tests/scripts/ema.py load OUT PRECISION STAGES...
+    torchrun --nproc-per-node 2 tests/scripts/ema.py save OUT PRECISIONS STAGES...    # PRECISIONS: fp32,bf16
+    torchrun --nproc-per-node N tests/scripts/ema.py load OUT PRECISIONS STAGES...
+
+Each precision's results go under OUT/PRECISION.
 
 `save`: for each ZeRO stage, the smoke model (its debug ViT) takes 4 AdamW steps on random batches; after each
 step rank 0 lerps a reference EMA of the whole consolidated fp32 weights, while every rank updates its own
@@ -127,10 +129,12 @@ def load(out: Path, precision: str, stage: int, ctx: DistContext) -> None:
 
 
 def main() -> None:
-    mode, out, precision, stages = sys.argv[1], Path(sys.argv[2]), sys.argv[3], [int(s) for s in sys.argv[4:]]
+    mode, out, precisions = sys.argv[1], Path(sys.argv[2]), sys.argv[3].split(",")
+    stages = [int(s) for s in sys.argv[4:]]
     ctx = init_distributed(use_gpu=False)
-    for stage in stages:
-        (save if mode == "save" else load)(out, precision, stage, ctx)
+    for precision in precisions:  # one process group for all: a launch costs more CPU than a case
+        for stage in stages:
+            (save if mode == "save" else load)(out / precision, precision, stage, ctx)
 
 
 if __name__ == "__main__":
