@@ -25,6 +25,7 @@ steps under `torch.cuda.set_sync_debug_mode("warn")` and reports every sync the 
 
 import json
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from conftest import torchrun  # shared with the other torchrun tests
@@ -61,11 +62,19 @@ def _library(site: str) -> str | None:
     return next((lib for lib in ALLOWED if lib in site), None)
 
 
+@pytest.fixture(scope="module")
+def reads(smoke_dataset, tmp_path_factory) -> Path:
+    """Every case's counts, from one 2-rank launch: OUT/CASE.json."""
+    root = tmp_path_factory.mktemp("host_sync")
+    out = root / "reads"
+    out.mkdir()
+    torchrun("tests/scripts/host_sync.py", str(out), str(smoke_dataset), str(root / "run"), json.dumps(CASES))
+    return out
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_no_host_read_between_log_steps(case, smoke_dataset, tmp_path):
-    out = tmp_path / "reads.json"
-    torchrun("tests/scripts/host_sync.py", str(out), str(smoke_dataset), str(tmp_path / "run"), *CASES[case])
-    report = json.loads(out.read_text())
+def test_no_host_read_between_log_steps(case, reads):
+    report = json.loads((reads / f"{case}.json").read_text())
     log_every, steps = report["log_every"], report["steps"]
     assert [s[0] for s in steps] == list(range(1, 13)), steps
 

@@ -1,11 +1,11 @@
 """Run under torchrun (2 ranks): one training stage with every tensor-to-host read counted, per step.
 
-    torchrun --nproc-per-node 2 tests/scripts/host_sync.py OUT_JSON DATA_DIR RUN_DIR [OVERRIDES...]
+    torchrun --nproc-per-node 2 tests/scripts/host_sync.py OUT_DIR DATA_DIR RUN_ROOT '{"CASE": [OVERRIDES...]}'
 
 A read is any call of Tensor.item, .tolist, .cpu, .numpy, or a conversion to bool, int, float or an
 index, made in this process by any code (ours, DeepSpeed's, torch's Python), and any call of DeepSpeed's
 accelerator `synchronize` (a no-op on CPU): on a GPU each one waits for the device. The loader runs in worker processes (data.num_workers=1), so its own reads are not
-counted. Rank 0 writes {"log_every": N, "steps": [[step, reads in the step, reads after it], ...],
+counted. Each case is a training stage in RUN_ROOT/CASE; for each, rank 0 writes OUT_DIR/CASE.json: {"log_every": N, "steps": [[step, reads in the step, reads after it], ...],
 "where": {step: [call sites]}}, "reads after" counting from the end of a step to the start of the next.
 """
 
@@ -56,24 +56,8 @@ class Counter:
         accelerator.synchronize = counted
 
 
-def main() -> None:
-    out, data, run_dir, extra = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4:]
-    cfg = load_config(
-        SMOKE,
-        [
-            f"run_dir={run_dir}",
-            f"data.train={data}",
-            "cluster.launcher=local",
-            "optim.steps=12",
-            "optim.warmup_steps=2",
-            "data.num_workers=1",
-            "tracking.system_metrics=false",
-            "tracking.log_every=5",
-            "model.overrides.drop_path_rate=0.1",
-            *extra,
-        ],
-    )
-    counter = Counter()
+def counted_run(cfg, counter: Counter) -> dict:
+    """Train `cfg` with every step's host reads counted: {"log_every", "steps", "where"}."""
     steps: list[list[int]] = []
     where: dict[int, list[str]] = {}
     step_fn = loop.train_step
@@ -92,14 +76,40 @@ def main() -> None:
         return result
 
     loop.train_step = counted_step
+    try:
+        loop.train(cfg)
+    finally:
+        loop.train_step = step_fn
+    if last_end[0] is not None:
+        steps[-1][2] = counter.reads - last_end[0]
+    return {"log_every": cfg.tracking.log_every, "steps": steps, "where": where}
+
+
+def main() -> None:
+    out, data, run_root, cases = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), json.loads(sys.argv[4])
+    counter = Counter()
     for name in READS:
         counter.wrap(name)
     counter.wrap_device_sync()
-    loop.train(cfg)
-    if last_end[0] is not None:
-        steps[-1][2] = counter.reads - last_end[0]
-    if torch.distributed.get_rank() == 0:
-        out.write_text(json.dumps({"log_every": cfg.tracking.log_every, "steps": steps, "where": where}))
+    for case, extra in cases.items():  # one launch for every case: a launch costs more CPU than a case
+        cfg = load_config(
+            SMOKE,
+            [
+                f"run_dir={run_root / case}",
+                f"data.train={data}",
+                "cluster.launcher=local",
+                "optim.steps=12",
+                "optim.warmup_steps=2",
+                "data.num_workers=1",
+                "tracking.system_metrics=false",
+                "tracking.log_every=5",
+                "model.overrides.drop_path_rate=0.1",
+                *extra,
+            ],
+        )
+        report = counted_run(cfg, counter)
+        if torch.distributed.get_rank() == 0:
+            (out / f"{case}.json").write_text(json.dumps(report))
 
 
 if __name__ == "__main__":
