@@ -349,14 +349,17 @@ class Store:
             raise FileNotFoundError(self.describe(rel))
         local.parent.mkdir(parents=True, exist_ok=True)
         with atomic.writing(local) as tmp:
-            pafs.copy_files(
-                self._path(rel),
-                str(tmp),
-                source_filesystem=self.fs,
-                destination_filesystem=pafs.LocalFileSystem(),
-                chunk_size=COPY_CHUNK,
-            )
+            self._copy_to_local(rel, tmp)
         return local
+
+    def _copy_to_local(self, rel: str, local: Path) -> None:
+        pafs.copy_files(
+            self._path(rel),
+            str(local),
+            source_filesystem=self.fs,
+            destination_filesystem=pafs.LocalFileSystem(),
+            chunk_size=COPY_CHUNK,
+        )
 
     def download_dir(self, rel: str, local: Path) -> Path:
         """Copy the folder `rel` to `local` atomically: into a temporary sibling, then one rename.
@@ -368,13 +371,7 @@ class Store:
         tmp = Path(tempfile.mkdtemp(prefix=f".{local.name}.", dir=local.parent))
         try:
             for name in self.list_files(rel):
-                pafs.copy_files(
-                    self._path(f"{rel}/{name}" if rel else name),
-                    str(tmp / name),
-                    source_filesystem=self.fs,
-                    destination_filesystem=pafs.LocalFileSystem(),
-                    chunk_size=COPY_CHUNK,
-                )
+                self._copy_to_local(f"{rel}/{name}" if rel else name, tmp / name)
             try:
                 os.replace(tmp, local)  # fails if `local` is a non-empty folder: someone else won
             except OSError:

@@ -271,8 +271,7 @@ def evaluate(
     batch_size = e.batch_size or cfg.data.batch_size
 
     # -- model
-    labels = dict(num_classes=cfg.data.num_classes, multi_label=cfg.data.multi_label)  # URL inputs only
-    info = dataset_info(cfg.data.train, e.eval_split, **labels)
+    info = dataset_info(cfg.data.train, e.eval_split, **_labels(cfg))
     if cfg.objective.name == "segmentation":
         return evaluate_segmentation(cfg, stage, info, report, parent_run_id)
     if cfg.objective.name == "detection":
@@ -313,7 +312,6 @@ def _classification(
     e = cfg.eval
     batch_size = e.batch_size or cfg.data.batch_size
     amp = _amp_dtype(cfg, ctx.device)
-    labels = dict(num_classes=cfg.data.num_classes, multi_label=cfg.data.multi_label)  # URL inputs only
 
     # -- passes: eval split in full; train split up to the cap, in whole batches on every rank
     linear = bool(e.fewshot_shots) or e.linear_probe
@@ -323,7 +321,7 @@ def _classification(
     train = None
     cap = e.fewshot_max_train
     if linear:
-        train_info = dataset_info(cfg.data.train, e.train_split, **labels)
+        train_info = dataset_info(cfg.data.train, e.train_split, **_labels(cfg))
         train_loader = _eval_loader(cfg, ctx, train_info, crop_fraction=e.crop_fraction)
         max_batches = math.ceil(cap / (ctx.world_size * batch_size)) if cap else None
         train = embed_split(
@@ -362,6 +360,11 @@ def _classification(
     shared = [metrics, details]
     dist.broadcast_object_list(shared, src=0, group=ctx.control_group)
     return shared[0], shared[1]
+
+
+def _labels(cfg: StageConfig) -> dict:
+    """What a dataset given by URLs (no manifest) cannot say itself: its classes and whether multi-label."""
+    return dict(num_classes=cfg.data.num_classes, multi_label=cfg.data.multi_label)
 
 
 def _eval_loader(cfg: StageConfig, ctx: DistContext, info: DatasetInfo, **extra) -> DataLoader:

@@ -168,7 +168,7 @@ class WeightEma:
     @classmethod
     def of_engine(cls, engine, decay: float, rank: int, world_size: int, group=None) -> WeightEma:
         """The EMA of this rank's share of a DeepSpeed engine's weights. Collective: the ranks check that their
-        shares hold every trainable element once, over `group` (a gloo group: the control group)."""
+        shares add up to the trainable elements, over `group` (a gloo group: the control group)."""
         params = [  # ZeRO-3 leaves an empty p.data; ds_shape is the real shape
             (n, tuple(getattr(p, "ds_shape", p.shape)))
             for n, p in engine.module.named_parameters()
@@ -179,14 +179,15 @@ class WeightEma:
         return ema
 
     def _check_cover(self, total: int, group) -> None:
-        """The ranks' shares together hold every trainable element once (else the export would be wrong)."""
+        """The ranks' shares together hold as many elements as the trainable parameters (else the export would
+        be wrong): one all-reduce of a single count, whatever the number of ranks."""
         owned = torch.tensor([sum(f.stop - f.start for f in self.fragments)], dtype=torch.int64)
-        counts = [torch.zeros_like(owned) for _ in range(self.world_size)]
-        dist.all_gather(counts, owned, group=group)
-        if sum(int(c) for c in counts) != total:
+        held = owned.clone()
+        dist.all_reduce(held, group=group)
+        if int(held) != total:
             raise RuntimeError(
-                f"weight EMA: the ranks' shares hold {[int(c) for c in counts]} elements, "
-                f"{sum(int(c) for c in counts)} in all, for {total} trainable elements"
+                f"weight EMA: the ranks' shares hold {int(held)} elements in all (rank {self.rank}: {int(owned)}), "
+                f"for {total} trainable elements"
             )
 
     @torch.no_grad()

@@ -8,10 +8,10 @@ A step makes no host sync: the loss is read, metrics logged and stop requests ag
 
 Exactness: a stage stopped after step N and resumed gives the same per-step losses and final weights
 (and weight EMA) as an uninterrupted one (CPU, fp32): the checkpoint holds model, optimizer, scheduler,
-step, every rank's RNG states, its share of the weight EMA (pipeline.train.ema), and the data stream's deal, which continues at batch N x grad_accum (see
-pipeline.data.train_stream). Resumed on another number of ranks, the ZeRO state is resharded
-(pipeline.train.checkpoint), the global batch kept (`keep_global_batch`) and the stream re-dealt
-(pipeline.data.deal).
+step, every rank's RNG states and share of the weight EMA (pipeline.train.ema), and the data stream's
+deal, which continues at batch N x grad_accum (see pipeline.data.train_stream). Resumed on another number
+of ranks, the ZeRO state is resharded (pipeline.train.checkpoint), the global batch kept
+(`keep_global_batch`) and the stream re-dealt (pipeline.data.deal).
 """
 
 from __future__ import annotations
