@@ -26,12 +26,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from data_prep.layout import MASK_IGNORE, DatasetError
 from pipeline import objectives
 from pipeline.config import StageConfig, flatten, save_resolved, validate_config
-from pipeline.data.sources import DatasetInfo
+from pipeline.data.sources import DatasetInfo, dataset_info
 from pipeline.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from pipeline.models.convert import check_published_architecture, load_timm_state_dict
 from pipeline.tracking import (
@@ -59,6 +60,31 @@ class Stage:
     @property
     def run_path(self) -> Path:
         return self.cfg.run_path
+
+    def dataset(self, split: str) -> DatasetInfo:
+        """The stage's dataset (`data.train`), split `split`: read by rank 0 alone (the manifest, one GET
+        however many ranks) and broadcast over the control group as compact arrays (`DatasetInfo.packed`).
+        An error reading it is raised on every rank."""
+        cfg, ctx = self.cfg, self.ctx
+        labels = dict(num_classes=cfg.data.num_classes, multi_label=cfg.data.multi_label)
+        if ctx.world_size == 1:
+            return dataset_info(cfg.data.train, split, **labels)
+        box: list = [None]
+        failure = None
+        if ctx.rank == 0:
+            try:
+                box[0] = dataset_info(cfg.data.train, split, **labels).packed()
+            except Exception as exc:  # raised before the broadcast, the other ranks would wait in it
+                failure = exc
+                box[0] = f"{type(exc).__name__}: {exc}"
+        dist.broadcast_object_list(box, src=0, group=ctx.control_group)
+        if failure is not None:
+            raise failure
+        if isinstance(box[0], str):
+            raise DatasetError(
+                f"rank {ctx.rank}: rank 0 could not read split {split!r} of the dataset: {box[0]}"
+            )
+        return DatasetInfo.unpacked(box[0])
 
     @contextmanager
     def tracking(

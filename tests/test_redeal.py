@@ -18,7 +18,7 @@ from data_prep.writer import write_dataset
 from pipeline.config import DataConfig
 from pipeline.data.deal import Deal, continue_deal
 from pipeline.data.loader import make_train_loader
-from pipeline.data.sources import dataset_info
+from pipeline.data.sources import DatasetInfo, dataset_info
 
 pytestmark = pytest.mark.unit
 SEED, BATCH, WORKERS = 3, 8, 2
@@ -156,3 +156,58 @@ def test_a_deal_survives_json_and_an_uncounted_stream_cannot_redeal(info):
         continue_deal(Deal(2, WORKERS, BATCH, 1), 7, (1, WORKERS, BATCH, 2), bare, SEED)
     fresh = continue_deal(Deal(2, WORKERS, BATCH, 1), 7, (1, WORKERS, BATCH, 2), bare, SEED, resampled=True)
     assert (fresh.base_step, fresh.carry) == (7, ())
+
+
+def test_a_deal_saved_with_shard_urls_reads_as_the_same_stream(info):
+    """A checkpoint of before pieces named their slot-epoch listed each piece's shard URLs and keys."""
+    two = Deal(2, WORKERS, BATCH, 1)
+    one = continue_deal(two, 7, (1, WORKERS, BATCH, 2), info, SEED)
+    n = len(info.urls)
+    old = {
+        **{k: v for k, v in one.to_dict().items() if k != "carry"},
+        "carry": [
+            [
+                {
+                    "urls": [info.urls[i] for i in p.shard_indices(n)],
+                    "shuffle_key": list(p.shuffle_key),
+                    "augment_key": list(p.augment_key),
+                    "epoch": p.epoch,
+                    "skip": p.skip,
+                    "take": p.take,
+                }
+                for p in slot
+            ]
+            for slot in one.carry
+        ],
+    }
+    read = Deal.from_dict(json.loads(json.dumps(old)), info.urls)
+    assert [[p.shard_indices(n) for p in slot] for slot in read.carry] == [
+        [p.shard_indices(n) for p in slot] for slot in one.carry
+    ]
+    a, b = run(info, read, 7, 14), run(info, one, 7, 14)  # the carry's 26 batches and two of epoch 1
+    assert [x["key"] for x in a[0]] == [x["key"] for x in b[0]]
+    assert all(torch.equal(x["image"], y["image"]) for x, y in zip(a[0], b[0]))
+    assert Deal.from_dict(json.loads(json.dumps(read.to_dict()))) == read  # and saved again as a table
+
+    with pytest.raises(ValueError, match="shard_urls"):
+        Deal.from_dict(old)
+    moved = [u.replace("redeal", "elsewhere") for u in info.urls]
+    with pytest.raises(DatasetError, match=r"names shard .*redeal.* does not list"):
+        Deal.from_dict(old, moved)
+
+
+def test_the_deal_record_is_small_whatever_the_number_of_shards():
+    """1,024 ranks x 8 workers re-dealt on 1,016 (a node lost): the record names slot-epochs, not shards, so
+    it grows with the slots (a piece per old slot, cut at most once per new slot), not with the shards: far
+    under 1 MB at 100k shards."""
+    for shards in (10_000, 100_000):
+        counts = [2900 + (i * 7919) % 200 for i in range(shards)]
+        big = DatasetInfo(
+            [f"s3://corpus/train/shard-{i:06d}.tar" for i in range(shards)], 18291, True, sum(counts), counts
+        )
+        deal = continue_deal(Deal(1024, 8, 16, 1), 1000, (1016, 8, 16, 1), big, SEED)
+        record = json.dumps(deal.to_dict())
+        assert Deal.from_dict(json.loads(record)) == deal
+        pieces = sum(len(slot) for slot in deal.carry)
+        assert len(deal.carry) == 1016 * 8 and pieces <= 1024 * 8 * 2 + 1016 * 8
+        assert len(record) < 16 * pieces < 1_000_000, (shards, len(record), pieces)

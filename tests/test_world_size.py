@@ -104,6 +104,8 @@ def check(out: Path, stage: int, ranks_after: int, accum_after: int) -> None:
     )
     deal = torch.load(final / "rank_0.pt", weights_only=False)["extra"]["data"]
     assert (deal["world_size"], deal["grad_accum"], deal["base_step"]) == (ranks_after, accum_after, 4)
+    for r in range(1, ranks_after):  # the stream's position is written once per checkpoint, by rank 0
+        assert torch.load(final / f"rank_{r}.pt", weights_only=False)["extra"] == {}
 
     # The learning rate follows the schedule of the uninterrupted run; the loss goes on from where it was.
     lr = dict(history(root / "switch", "train/lr"))

@@ -19,15 +19,23 @@ grad_accum) re-deals (`continue_deal`):
    deal's carry. Its epochs begin after the frontier.
 So within every epoch no sample is read twice and none is left out, beyond what every epoch leaves out
 by design (a slot's tail past its quota) and, when the micro-batch changed, fewer than one batch at the
-end of the carry. The deal (JSON-able, `to_dict`) goes into every checkpoint, so a later change
-re-deals from it. Re-dealing needs the manifest's exact counts; a resampled stream has no epochs to
+end of the carry. The deal (`to_dict`: JSON, its pieces one compressed table of integers that name their
+slot-epochs, never shards or URLs: kilobytes at 100k shards) goes into every checkpoint once, so a later
+change re-deals from it. A re-deal costs one sort of the shard counts (the quota) and O(1) per old slot; a
+rank lists the shards of its own pieces only, from the epoch's permutation (computed once per epoch and
+process, `slot_shards`). Re-dealing needs the manifest's exact counts; a resampled stream has no epochs to
 keep, and starts fresh draws keyed by the new base step.
 """
 
 from __future__ import annotations
 
+import base64
+import functools
 import logging
-from dataclasses import asdict, dataclass, field, replace
+import zlib
+from dataclasses import dataclass, field, replace
+
+import numpy as np
 
 from data_prep.layout import DatasetError
 from pipeline.data import seeds
@@ -38,15 +46,49 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Piece:
-    """Samples [skip, skip + take) of one slot-epoch's stream (its shards, shuffled by `shuffle_key`;
-    sample i augmented from `augment_key` and i)."""
+    """Samples [skip, skip + take) of one slot-epoch's stream: slot (rank, worker) of `epoch` in a deal over
+    world_size x workers slots keyed by `seed` (its shards `shard_indices`, shuffled by `shuffle_key`; sample
+    i augmented from `augment_key` and i). A piece names its slot-epoch rather than listing its shards, so a
+    deal's record is O(pieces) whatever the dataset, and a rank finds the shards of its own pieces only."""
 
-    urls: tuple[str, ...]
-    shuffle_key: tuple[int, ...]
-    augment_key: tuple[int, ...]
+    seed: int
     epoch: int
+    world_size: int
+    workers: int
+    rank: int
+    worker: int
     skip: int
     take: int
+    # Explicit shard indices: a piece read from a checkpoint whose deal listed URLs (`Deal.from_dict`).
+    shards: tuple[int, ...] | None = None
+
+    @property
+    def shuffle_key(self) -> tuple[int, ...]:
+        return (seeds.SHUFFLE, self.seed, self.epoch, self.rank, self.worker)
+
+    @property
+    def augment_key(self) -> tuple[int, ...]:
+        return (seeds.AUGMENT, self.seed, self.epoch, self.rank, self.worker)
+
+    def shard_indices(self, num_shards: int) -> list[int]:
+        if self.shards is not None:
+            return list(self.shards)
+        return slot_shards(
+            num_shards, self.seed, self.epoch, self.world_size, self.rank, self.worker, self.workers
+        )
+
+
+# A piece as one row of the record's table (`Deal.to_dict`).
+_COLUMNS = ("seed", "epoch", "world_size", "workers", "rank", "worker", "skip", "take")
+_FORMAT = "slot-epochs/1"
+
+
+def _pack(a: np.ndarray) -> str:
+    return base64.b64encode(zlib.compress(np.ascontiguousarray(a, "<i8").tobytes(), 6)).decode("ascii")
+
+
+def _unpack(s: str, columns: int = 1) -> np.ndarray:
+    return np.frombuffer(zlib.decompress(base64.b64decode(s)), "<i8").reshape(-1, columns)
 
 
 @dataclass(frozen=True)
@@ -77,25 +119,75 @@ class Deal:
         return (step - self.base_step) * self.grad_accum
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The deal as a JSON-able record, the same whatever the dataset's size: the carry's pieces as one
+        compressed table of integers (`_COLUMNS`, one row per piece) and each slot's number of pieces."""
+        record = {
+            "world_size": self.world_size,
+            "workers": self.workers,
+            "batch_size": self.batch_size,
+            "grad_accum": self.grad_accum,
+            "base_step": self.base_step,
+            "first_epoch": self.first_epoch,
+        }
+        if self.carry:
+            pieces = [p for slot in self.carry for p in slot]
+            table = np.array([[getattr(p, c) for c in _COLUMNS] for p in pieces], dtype=np.int64)
+            record["carry"] = {
+                "format": _FORMAT,
+                "columns": list(_COLUMNS),
+                "pieces": _pack(table.reshape(-1, len(_COLUMNS))),
+                "per_slot": _pack(np.array([len(slot) for slot in self.carry], dtype=np.int64)),
+                "shards": {str(i): list(p.shards) for i, p in enumerate(pieces) if p.shards is not None},
+            }
+        return record
 
     @classmethod
-    def from_dict(cls, d: dict) -> Deal:
-        carry = tuple(
-            tuple(
-                Piece(
-                    **{
-                        **p,
-                        "urls": tuple(p["urls"]),
-                        "shuffle_key": tuple(p["shuffle_key"]),
-                        "augment_key": tuple(p["augment_key"]),
-                    }
-                )
-                for p in slot
-            )
-            for slot in d.get("carry", ())
-        )
+    def from_dict(cls, d: dict, shard_urls: list[str] | None = None) -> Deal:
+        """The deal `to_dict` wrote. A record of before pieces named their slot-epoch lists each piece's
+        shard URLs: `shard_urls` (the dataset's, in order) turns them into indices; a URL it lacks is an
+        error naming it."""
+        carry = d.get("carry") or ()
+        if isinstance(carry, dict):
+            carry = _carry_from_table(carry)
+        elif carry:
+            carry = _carry_from_urls(carry, shard_urls)
         return cls(**{**d, "carry": carry})
+
+
+def _carry_from_table(record: dict) -> tuple[tuple[Piece, ...], ...]:
+    if record.get("format") != _FORMAT or tuple(record.get("columns", ())) != _COLUMNS:
+        raise DatasetError(
+            f"the checkpoint's data position is in format {record.get('format')!r} with columns "
+            f"{record.get('columns')}; this version reads {_FORMAT!r} with {list(_COLUMNS)}: resume with the "
+            "version of the project that saved it"
+        )
+    table = _unpack(record["pieces"], len(_COLUMNS))
+    explicit = {int(i): tuple(s) for i, s in record.get("shards", {}).items()}
+    pieces = [Piece(*(int(v) for v in row), shards=explicit.get(i)) for i, row in enumerate(table.tolist())]
+    ends = np.cumsum(_unpack(record["per_slot"])[:, 0]).tolist()
+    return tuple(tuple(pieces[a:b]) for a, b in zip([0, *ends[:-1]], ends))
+
+
+def _carry_from_urls(carry: list, shard_urls: list[str] | None) -> tuple[tuple[Piece, ...], ...]:
+    """A carry saved as lists of pieces with their shard URLs and keys (the first format): each piece's
+    slot-epoch comes from its shuffle key (SHUFFLE, seed, epoch, rank, worker), its shards from its URLs."""
+    if shard_urls is None:
+        raise ValueError("this deal lists its pieces' shard URLs: pass the dataset's shard_urls to read it")
+    index = {u: i for i, u in enumerate(shard_urls)}
+
+    def piece(p: dict) -> Piece:
+        missing = [u for u in p["urls"] if u not in index]
+        if missing:
+            raise DatasetError(
+                f"the checkpoint's data position names shard {missing[0]} (and {len(missing) - 1} more), which "
+                f"the dataset ({shard_urls[0]}... {len(shard_urls)} shards) does not list: resume with the "
+                "dataset the checkpoint was saved with"
+            )
+        _, seed, epoch, rank, worker = p["shuffle_key"]
+        shards = tuple(index[u] for u in p["urls"])
+        return Piece(seed, epoch, 0, 0, rank, worker, p["skip"], p["take"], shards=shards)
+
+    return tuple(tuple(piece(p) for p in slot) for slot in carry)
 
 
 def batches_done_by_worker(rank_batches: int, worker: int, workers: int) -> int:
@@ -104,12 +196,26 @@ def batches_done_by_worker(rank_batches: int, worker: int, workers: int) -> int:
     return max(0, (rank_batches - worker + workers - 1) // workers)
 
 
+@functools.lru_cache(maxsize=4)
+def _order(num_shards: int, seed: int, epoch: int) -> np.ndarray:
+    """The epoch's shard order (a permutation): computed once per epoch in a process, whichever slots ask."""
+    order = seeds.rng(seeds.ORDER, seed, epoch).permutation(num_shards)
+    order.flags.writeable = False
+    return order
+
+
+def slot_shards(
+    num_shards: int, seed: int, epoch: int, world_size: int, rank: int, worker: int, workers: int
+) -> list[int]:
+    """Epoch mode: the shard indices of slot (rank, worker) in `epoch` (every shard once over all slots)."""
+    return _order(num_shards, seed, epoch)[rank::world_size][worker::workers].tolist()
+
+
 def shards_for(
     info: DatasetInfo, seed: int, epoch: int, world_size: int, rank: int, worker: int, workers: int
 ) -> list[str]:
     """Epoch mode: the shards of slot (rank, worker) in `epoch` (every shard once over all slots)."""
-    order = seeds.rng(seeds.ORDER, seed, epoch).permutation(len(info.urls))
-    return [info.urls[i] for i in order[rank::world_size][worker::workers]]
+    return [info.urls[i] for i in slot_shards(len(info.urls), seed, epoch, world_size, rank, worker, workers)]
 
 
 def quota(info: DatasetInfo, deal: Deal) -> int | None:
@@ -118,18 +224,9 @@ def quota(info: DatasetInfo, deal: Deal) -> int | None:
     return None if per_rank is None else per_rank // deal.workers
 
 
-def epoch_piece(info: DatasetInfo, seed: int, deal: Deal, epoch: int, rank: int, worker: int) -> Piece:
-    """The whole of slot (rank, worker)'s `epoch` under `deal`: its quota of batches."""
-    urls = shards_for(info, seed, epoch, deal.world_size, rank, worker, deal.workers)
-    q = quota(info, deal)
-    return Piece(
-        tuple(urls),
-        (seeds.SHUFFLE, seed, epoch, rank, worker),
-        (seeds.AUGMENT, seed, epoch, rank, worker),
-        epoch,
-        0,
-        (q or 0) * deal.batch_size,
-    )
+def epoch_piece(seed: int, deal: Deal, epoch: int, rank: int, worker: int, q: int | None) -> Piece:
+    """The whole of slot (rank, worker)'s `epoch` under `deal`: its quota `q` of batches."""
+    return Piece(seed, epoch, deal.world_size, deal.workers, rank, worker, 0, (q or 0) * deal.batch_size)
 
 
 @dataclass(frozen=True)
@@ -142,7 +239,8 @@ class Position:
     within: int
 
 
-def position(deal: Deal, info: DatasetInfo, slot: int, done: int) -> Position:
+def position(deal: Deal, slot: int, done: int, q: int | None) -> Position:
+    """`q`: the deal's quota (`quota`), None for an uncounted stream."""
     carried = deal.carried(slot)
     in_carry = deal.carry_batches(slot)
     if done < in_carry:
@@ -153,7 +251,6 @@ def position(deal: Deal, info: DatasetInfo, slot: int, done: int) -> Position:
                 return Position((head, *carried[i + 1 :]), deal.first_epoch, 0)
             offset -= p.take
         raise AssertionError("unreachable: the carry holds more than `done` batches")
-    q = quota(info, deal)
     if q is None:  # uncounted: epochs flow into one another; the stream skips samples instead
         return Position((), deal.first_epoch, done - in_carry)
     k = done - in_carry
@@ -185,13 +282,12 @@ def continue_deal(
             f"{workers} ({batch}, {accum}); continuing its epoch on another shape needs the dataset's exact "
             "per-shard counts (a manifest.json)"
         )
-    rank_batches = deal.rank_batches(step)
-    positions = []
-    for slot in range(deal.slots):
-        worker = slot % deal.workers
-        positions.append(
-            position(deal, info, slot, batches_done_by_worker(rank_batches, worker, deal.workers))
-        )
+    # O(shards log shards) once (the quota), then O(1) per old slot and piece: no slot's shards are listed.
+    rank_batches, q = deal.rank_batches(step), quota(info, deal)
+    positions = [
+        position(deal, slot, batches_done_by_worker(rank_batches, slot % deal.workers, deal.workers), q)
+        for slot in range(deal.slots)
+    ]
     begun = [p.epoch if p.within else p.epoch - 1 for p in positions if not p.carry]
     frontier = max(begun, default=deal.first_epoch - 1)
     rest: list[Piece] = []
@@ -199,7 +295,7 @@ def continue_deal(
         rank, worker = divmod(slot, deal.workers)
         rest.extend(pos.carry)
         for epoch in range(pos.epoch, frontier + 1):
-            piece = epoch_piece(info, seed, deal, epoch, rank, worker)
+            piece = epoch_piece(seed, deal, epoch, rank, worker, q)
             if epoch == pos.epoch and pos.within:
                 done = pos.within * deal.batch_size
                 piece = replace(piece, skip=done, take=piece.take - done)
@@ -233,18 +329,19 @@ def _split(pieces: list[Piece], world: int, workers: int, batch: int) -> tuple[t
         )
     out: list[tuple[Piece, ...]] = []
     queue = [p for p in pieces if p.take > 0]
+    head = 0  # queue[head] is the next piece to cut from
     for s in range(slots):
         rank, worker = divmod(s, workers)
         need = (batches // slots + (1 if worker * world + rank < batches % slots else 0)) * batch
         run: list[Piece] = []
         while need:
-            p = queue[0]
+            p = queue[head]
             n = min(need, p.take)
             run.append(replace(p, take=n))
             need -= n
             if n == p.take:
-                queue.pop(0)
+                head += 1
             else:
-                queue[0] = replace(p, skip=p.skip + n, take=p.take - n)
+                queue[head] = replace(p, skip=p.skip + n, take=p.take - n)
         out.append(tuple(run))
     return tuple(out)

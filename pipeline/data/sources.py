@@ -14,10 +14,12 @@ manifest's counts; other URLs need `num_classes=` and `multi_label=`.
 from __future__ import annotations
 
 import os
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from webdataset.shardlists import expand_urls as wds_expand_urls
 
 from data_prep.dataset_dir import DatasetDir, names_shards
@@ -58,6 +60,56 @@ class DatasetInfo:
 
     def epoch_batches(self, world_size: int, batch_size: int, num_workers: int = 1) -> int | None:
         return epoch_batches(self, world_size, batch_size, num_workers)
+
+    def packed(self) -> dict:
+        """The info as a few compact values, to hand from the one process that read the manifest to the
+        others (`unpacked`): the URLs as a numbered template where they follow one (`shard-{i:06d}.tar`),
+        else one compressed text; the counts as int32 bytes. About 400 kB at 100k shards, against the
+        manifest's 21 MB."""
+        return {
+            **{k: v for k, v in vars(self).items() if k not in ("urls", "shard_counts")},
+            "urls": _url_template(self.urls) or zlib.compress("\n".join(self.urls).encode(), 6),
+            "shard_counts": None
+            if self.shard_counts is None
+            else np.asarray(self.shard_counts, dtype="<i4").tobytes(),
+        }
+
+    @classmethod
+    def unpacked(cls, packed: dict) -> DatasetInfo:
+        urls, counts = packed["urls"], packed["shard_counts"]
+        if isinstance(urls, bytes):
+            urls = zlib.decompress(urls).decode().split("\n")
+        else:
+            prefix, first, n, width, suffix = urls
+            urls = [f"{prefix}{i:0{width}d}{suffix}" for i in range(first, first + n)]
+        return cls(
+            **{
+                **packed,
+                "urls": urls,
+                "shard_counts": None if counts is None else np.frombuffer(counts, "<i4").tolist(),
+            }
+        )
+
+
+def _url_template(urls: list[str]) -> tuple[str, int, int, int, str] | None:
+    """(prefix, first, n, width, suffix) when urls[k] == f"{prefix}{first + k:0{width}d}{suffix}" for every k."""
+    if len(urls) < 2:
+        return None
+    a, b = urls[0], urls[-1]
+    head = len(os.path.commonprefix([a, b]))
+    tail = len(os.path.commonprefix([a[::-1], b[::-1]]))
+    while head and a[head - 1].isdigit():  # the number's leading digits may be common to both
+        head -= 1
+    while tail and a[len(a) - tail].isdigit():
+        tail -= 1
+    digits = a[head : len(a) - tail]
+    if not digits.isdigit() or len(a) != len(b):
+        return None
+    template = (a[:head], int(digits), len(urls), len(digits), a[len(a) - tail :])
+    prefix, first, _, width, suffix = template
+    if any(u != f"{prefix}{first + k:0{width}d}{suffix}" for k, u in enumerate(urls)):
+        return None
+    return template
 
 
 def epoch_batches(info: DatasetInfo, world_size: int, batch_size: int, num_workers: int = 1) -> int | None:

@@ -229,13 +229,14 @@ class ShardStream(IterableDataset):
             )
 
     def _carried_rounds(self, pieces: tuple[Piece, ...]) -> list[_Round]:
+        urls = [[self.info.urls[i] for i in p.shard_indices(len(self.info.urls))] for p in pieces]
         return [
             _Round(
                 p.epoch,
-                list(p.urls),
+                urls[i],
                 p.shuffle_key,
                 p.augment_key,
-                self._count(p.urls),
+                self._count(urls[i]),
                 None,
                 skip=p.skip,
                 take=p.take,
@@ -249,7 +250,9 @@ class ShardStream(IterableDataset):
         beyond their own `skip` (the module docstring's step 2)."""
         done = self.batches_done_by_worker(self.start_batch, worker, num_workers)
         if not self.resampled and self.epoch_batches is not None:
-            pos = position(self.deal, self.info, self.rank * num_workers + worker, done)
+            pos = position(
+                self.deal, self.rank * num_workers + worker, done, self.epoch_batches // num_workers
+            )
             rounds = self._epoch_rounds(worker, num_workers, pos.epoch)
             if pos.carry:
                 return itertools.chain(self._carried_rounds(pos.carry), rounds), 0

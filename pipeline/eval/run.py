@@ -34,7 +34,7 @@ from data_prep import atomic
 from pipeline.config import EvalConfig, StageConfig
 from pipeline.data.batching import MASK_IGNORE
 from pipeline.data.loader import make_eval_loader
-from pipeline.data.sources import DatasetInfo, dataset_info
+from pipeline.data.sources import DatasetInfo
 from pipeline.data.transforms import IMAGENET_MEAN, IMAGENET_STD, normalize
 from pipeline.eval.fewshot import fewshot_ridge, linear_probe
 from pipeline.eval.figures import (
@@ -271,12 +271,14 @@ def evaluate(
     batch_size = e.batch_size or cfg.data.batch_size
 
     # -- model
-    info = dataset_info(cfg.data.train, e.eval_split, **_labels(cfg))
+    info = stage.dataset(e.eval_split)
     if cfg.objective.name == "segmentation":
         return evaluate_segmentation(cfg, stage, info, report, parent_run_id)
     if cfg.objective.name == "detection":
         return evaluate_detection(cfg, stage, info, report, parent_run_id)
     num_classes = cfg.model.num_classes or info.num_classes
+    # The train split (few-shot, linear probe): read once, for the export's weights and the EMA's alike.
+    train_info = stage.dataset(e.train_split) if e.fewshot_shots or e.linear_probe else None
     model, meta = load_model(cfg, num_classes, ctx.device)
 
     # -- tracking (rank 0): a re-run of a failed eval stage continues its MLflow run
@@ -290,7 +292,7 @@ def evaluate(
             )
 
         def measure(figures: bool) -> tuple[dict[str, float], dict]:
-            return _classification(cfg, ctx, info, model, num_classes, tracker, figures)
+            return _classification(cfg, ctx, info, train_info, model, num_classes, tracker, figures)
 
         metrics, details = _with_ema(cfg, ctx, model, measure)
         _finish(cfg, ctx, tracker, metrics, details, meta, report)
@@ -302,26 +304,27 @@ def _classification(
     cfg: StageConfig,
     ctx: DistContext,
     info: DatasetInfo,
+    train_info: DatasetInfo | None,
     model: nn.Module,
     num_classes: int,
     tracker: Tracker,
     figures: bool,
 ) -> tuple[dict[str, float], dict]:
     """Every rank: the classification metrics, few-shot and probe of `model` (the same dict on every rank),
-    and the details eval.json keeps; the figures too where `figures`."""
+    and the details eval.json keeps; the figures too where `figures`. `train_info`: the train split, for
+    few-shot and the linear probe."""
     e = cfg.eval
     batch_size = e.batch_size or cfg.data.batch_size
     amp = _amp_dtype(cfg, ctx.device)
 
     # -- passes: eval split in full; train split up to the cap, in whole batches on every rank
-    linear = bool(e.fewshot_shots) or e.linear_probe
+    linear = train_info is not None
     eval_loader = _eval_loader(cfg, ctx, info, crop_fraction=e.crop_fraction)
     norm = dict(mean=cfg.data.mean, std=cfg.data.std)
     test = embed_split(model, eval_loader, ctx.device, with_logits=e.classification, amp_dtype=amp, **norm)
     train = None
     cap = e.fewshot_max_train
     if linear:
-        train_info = dataset_info(cfg.data.train, e.train_split, **_labels(cfg))
         train_loader = _eval_loader(cfg, ctx, train_info, crop_fraction=e.crop_fraction)
         max_batches = math.ceil(cap / (ctx.world_size * batch_size)) if cap else None
         train = embed_split(
@@ -360,11 +363,6 @@ def _classification(
     shared = [metrics, details]
     dist.broadcast_object_list(shared, src=0, group=ctx.control_group)
     return shared[0], shared[1]
-
-
-def _labels(cfg: StageConfig) -> dict:
-    """What a dataset given by URLs (no manifest) cannot say itself: its classes and whether multi-label."""
-    return dict(num_classes=cfg.data.num_classes, multi_label=cfg.data.multi_label)
 
 
 def _eval_loader(cfg: StageConfig, ctx: DistContext, info: DatasetInfo, **extra) -> DataLoader:

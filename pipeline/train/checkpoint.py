@@ -1,7 +1,7 @@
 """Checkpoints that survive restarts: every rank saves, `latest` moves only once all have finished.
 
     ckpt_dir/step_00000040/   DeepSpeed's files (mp_rank_00_model_states.pt, zero_pp_rank_R_*...)
-                              rank_R.pt        this rank's RNG states and data-stream position
+                              rank_R.pt        this rank's RNG states; rank 0's also the stage's data-stream position
                               ema_rank_R_fp32.safetensors  its share of the weight EMA (optim.ema_decay)
                               COMPLETE.json    written by rank 0 after every rank's files are on disk:
                                                the file list with sizes, and the sha256 of each
@@ -100,7 +100,7 @@ def set_rng_state(state: dict) -> None:
 class Restored:
     step: int
     tag: str
-    extra: dict  # this rank's saved extra state (data-stream position, ...)
+    extra: dict  # the stage's saved extra state (data-stream position, ...): rank 0's, on every rank
     saved_by: int = 0  # the number of ranks that saved it
 
 
@@ -139,7 +139,9 @@ def save(
     meta: dict | None = None,
     write_more: Callable[[Path], object] | None = None,
 ) -> Path:
-    """Collective: every rank must call it (rank-0-only saving hangs, DeepSpeed issue 2993). `meta` goes into
+    """Collective: every rank must call it (rank-0-only saving hangs, DeepSpeed issue 2993). `extra`, the
+    stage's state beside the engine's (the data stream's position), is the same on every rank: rank 0's file
+    holds it, and `resume` hands it to every rank. `meta` goes into
     COMPLETE.json (the loop records its micro-batch and global batch: a resume on another world size keeps it).
     `write_more(tag_dir)` writes this rank's further files into the tag (the weight EMA's), named with
     `rank_R_` so that they are this rank's (`owned_by`): checked, listed and uploaded with DeepSpeed's.
@@ -157,7 +159,8 @@ def save(
         store.delete_dir(tag)  # likewise remotely (COMPLETE.json goes first with the folder)
     dist.barrier()
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, save_latest=False)
-    torch.save({"rng": rng_state(), "extra": extra or {}}, tag_dir / f"rank_{rank}.pt")
+    # `extra` describes the whole stage (the data stream's deal), the same on every rank: written once.
+    torch.save({"rng": rng_state(), "extra": (extra or {}) if rank == 0 else {}}, tag_dir / f"rank_{rank}.pt")
     if write_more is not None:
         write_more(tag_dir)
     dist.barrier()  # every rank's files are on disk (its own node's disk, without a shared filesystem)
@@ -353,8 +356,9 @@ def reseed(seed: int, step: int, rank: int) -> None:
 
 def newest_record(ckpt_dir: Path, store: Store | None, rank: int, group=None) -> dict | None:
     """COMPLETE.json of the newest complete tag on any node's disk or on the store (the same on every rank),
-    or None: what the stage will resume from, read before its engine is built."""
-    found = None
+    or None: what the stage will resume from, read before its engine is built. The ranks gather tag names
+    only (bytes per rank O(ranks x a name)); the lowest rank that holds the chosen tag broadcasts its record."""
+    found: tuple[str, dict] | None = None
     if ckpt_dir.is_dir():
         for tag in sorted((p.name for p in ckpt_dir.glob("step_*") if p.is_dir()), reverse=True):
             record = _record(ckpt_dir / tag)
@@ -368,10 +372,15 @@ def newest_record(ckpt_dir: Path, store: Store | None, rank: int, group=None) ->
                 found = (stored[-1], json.loads(store.read_text(f"{stored[-1]}/{COMPLETE}")))
         except Exception as exc:
             log.warning("%s: could not read the newest stored checkpoint's record: %r", store, exc)
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, found, group=group)
-    best = max((f for f in every if f is not None), default=None, key=lambda f: f[0])
-    return None if best is None else best[1]
+    names: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(names, found and found[0], group=group)
+    newest = max((n for n in names if n), default=None)
+    if newest is None:
+        return None
+    holder = names.index(newest)  # a group rank
+    box = [found[1] if found is not None and found[0] == newest else None]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, holder) if group else holder, group=group)
+    return box[0]
 
 
 def resume(
@@ -457,7 +466,12 @@ def resume(
                 )
         try:
             path, client_state = _load(engine, ckpt_dir, tag_dir, universal, load_optimizer)
-            own = torch.load(tag_dir / f"rank_{rank if saved_by == world_size else 0}.pt", weights_only=False)
+            # Its own RNG states where the world size is the same; the stage's `extra` is rank 0's alone.
+            own = (
+                torch.load(tag_dir / f"rank_{rank}.pt", weights_only=False)
+                if saved_by == world_size or rank == 0
+                else {}
+            )
             loaded = path is not None
         except Exception as exc:  # a file that hashes right but does not load: treat as broken
             log.warning("rank %d: checkpoint %s failed to load: %r", rank, tag_dir, exc)
@@ -465,13 +479,15 @@ def resume(
         if not all_agree(loaded, group):
             continue
         step = int(client_state["step"])
+        box = [own["extra"] if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=group)  # one read of the stage's state, one broadcast
         if saved_by == world_size:
             set_rng_state(own["rng"])
         else:
             reseed(seed, step, rank)
         if rank == 0:
             log.info("resumed from %s", tag_dir)
-        return Restored(step, tag_dir.name, own["extra"], saved_by)
+        return Restored(step, tag_dir.name, box[0], saved_by)
     if tags:
         raise RuntimeError(
             f"{ckpt_dir}: none of {len(tags)} checkpoints could be loaded; see the warnings above"

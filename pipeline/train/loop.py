@@ -34,7 +34,7 @@ from pipeline.config import ConfigError, StageConfig
 from pipeline.data.deal import Deal, continue_deal
 from pipeline.data.device import Prefetcher, batch_to_device, prefetch
 from pipeline.data.loader import make_train_loader
-from pipeline.data.sources import dataset_info
+from pipeline.data.sources import DatasetInfo
 from pipeline.hardware import peak_flops
 from pipeline.models import create_model
 from pipeline.models.flops import estimate_mfu, flops_per_image
@@ -198,11 +198,13 @@ def keep_global_batch(cfg: StageConfig, saved: dict | None, world_size: int) -> 
     return cfg.model_copy(update={"deepspeed": cfg.deepspeed.model_copy(update={"grad_accum": accum})})
 
 
-def saved_deal(restored: checkpoint.Restored, saved: dict | None, shape: tuple[int, int, int, int]) -> Deal:
+def saved_deal(
+    restored: checkpoint.Restored, saved: dict | None, shape: tuple[int, int, int, int], info: DatasetInfo
+) -> Deal:
     """The deal the checkpoint's stream was on; a checkpoint from before deals were saved streamed on the
-    initial deal of the shape it was saved with."""
+    initial deal of the shape it was saved with. (`info`: the dataset's shard URLs read a deal saved with URLs.)"""
     if "data" in restored.extra:
-        return Deal.from_dict(restored.extra["data"])
+        return Deal.from_dict(restored.extra["data"], info.urls)
     record = saved or {}
     world = restored.saved_by or shape[0]
     accum = record.get("grad_accum") or (shape[3] * shape[0] // world if world != shape[0] else shape[3])
@@ -220,9 +222,7 @@ def train(
     ckpt_dir = run_path / "checkpoints"
 
     # -- model and objective
-    info = dataset_info(
-        cfg.data.train, "train", num_classes=cfg.data.num_classes, multi_label=cfg.data.multi_label
-    )
+    info = stage.dataset("train")  # read by rank 0, handed to the others
     objective = build_objective(cfg.objective, cfg.data.mean, cfg.data.std)
     kwargs = model_kwargs(cfg, output_classes(cfg, info))
     model = create_model(cfg.model.name, **kwargs)
@@ -257,7 +257,12 @@ def train(
     deal = Deal(*shape)
     if restored is not None:
         deal = continue_deal(
-            saved_deal(restored, saved, shape), start, shape, info, cfg.seed, resampled=cfg.data.resampled
+            saved_deal(restored, saved, shape, info),
+            start,
+            shape,
+            info,
+            cfg.seed,
+            resampled=cfg.data.resampled,
         )
 
     ckpt_seconds = [0.0]  # spent saving since the last log step: images/s leaves it out
