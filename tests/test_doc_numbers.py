@@ -90,6 +90,105 @@ CLAIMS = [
         ],
     ),
     (
+        "docs/scale.md",
+        r"\| re-deal, a node lost \(1,024 -> 1,016 ranks\) \| (\d\.\d+) s \| (\d\.\d+) s",
+        [
+            result("scale.json", "jft.deal_s.one_node_lost.value"),
+            result("scale.json", "10k.deal_s.one_node_lost.value"),
+        ],
+    ),
+    (
+        "docs/scale.md",
+        r"\| re-deal, half \(1,024 -> 512 ranks\) \| (\d\.\d+) s \| (\d\.\d+) s",
+        [result("scale.json", "jft.deal_s.half.value"), result("scale.json", "10k.deal_s.half.value")],
+    ),
+    (
+        "docs/scale.md",
+        r"\| data position, as checkpointed once \| ([\d,]+) bytes \| ([\d,]+) bytes",
+        [
+            result("scale.json", "jft.data_position_bytes.value"),
+            result("scale.json", "10k.data_position_bytes.value"),
+        ],
+    ),
+    (
+        "docs/scale.md",
+        r"\| bytes received at start-up \| ([\d,]+) \| ([\d,]+) \|",
+        [
+            result("scale.json", "jft.startup_received_bytes.value"),
+            result("scale.json", "10k.startup_received_bytes.value"),
+        ],
+    ),
+    (
+        "docs/scale.md",
+        r"\| the same, before \(every rank's record gathered\) \| ([\d,]+) \| ([\d,]+) \|",
+        [
+            result("scale.json", "jft.startup_received_before_records_gathered"),
+            result("scale.json", "10k.startup_received_before_records_gathered"),
+        ],
+    ),
+    (
+        "docs/scale.md",
+        r"\| share of the split's samples an epoch uses \| (\d\.\d+) \| (\d\.\d+) \|",
+        [
+            result("scale.json", "jft.epoch_share_used.value"),
+            result("scale.json", "10k.epoch_share_used.value"),
+        ],
+    ),
+    (
+        "docs/scale.md",
+        r"read the 21 MB manifest, pack it \| (\d\.\d+) s, \+(\d+\.\d) MB RSS \| (\d\.\d+) s, \+(\d+\.\d) MB",
+        [
+            result("scale.json", "jft.startup_rank0_s.value"),
+            result("scale.json", "jft.startup_rank0_rss_mb.value"),
+            result("scale.json", "10k.startup_rank0_s.value"),
+            result("scale.json", "10k.startup_rank0_rss_mb.value"),
+        ],
+    ),
+    (
+        "docs/scale.md",
+        r"unpack the broadcast \| (\d\.\d+) s, \+(\d+\.\d) MB RSS \| (\d\.\d+) s, \+(\d+\.\d) MB",
+        [
+            result("scale.json", "jft.startup_rank_s.value"),
+            result("scale.json", "jft.startup_rank_rss_mb.value"),
+            result("scale.json", "10k.startup_rank_s.value"),
+            result("scale.json", "10k.startup_rank_rss_mb.value"),
+        ],
+    ),
+    (
+        "docs/scale.md",
+        r"every rank read the manifest\) \| (\d\.\d+) s, \+(\d+\.\d) MB RSS \| (\d\.\d+) s, \+(\d+\.\d) MB",
+        [
+            result("scale.json", "jft.startup_rank_before.seconds"),
+            result("scale.json", "jft.startup_rank_before.peak_rss_mb"),
+            result("scale.json", "10k.startup_rank_before.seconds"),
+            result("scale.json", "10k.startup_rank_before.peak_rss_mb"),
+        ],
+    ),
+    (
+        "docs/scale.md",
+        r"- ([\d,]+) bytes of tag names gathered.*\n- ([\d,]+) bytes: the chosen COMPLETE.json(?:.*\n)+?- ([\d,]+) "
+        r"bytes: the local tag lists(?:.*\n)+?- ([\d,]+) bytes: the dataset broadcast(?:.*\n)+?- ([\d,]+) bytes: the "
+        r"data position, broadcast",
+        [
+            result("scale.json", f"jft.startup_received_parts.{part}")
+            for part in (
+                "tag_names_gathered",
+                "chosen_record_broadcast",
+                "local_tags_gathered",
+                "dataset_broadcast",
+                "data_position_broadcast",
+            )
+        ],
+    ),
+    (
+        "README.md",
+        r"a re-deal on 1,016 ranks takes (\d\.\d+) s and its data position, written once per\s+checkpoint, is ([\d,]+) bytes",
+        [
+            result("scale.json", "jft.deal_s.one_node_lost.value"),
+            result("scale.json", "jft.data_position_bytes.value"),
+        ],
+    ),
+    (
         "README.md",
         r"`bench/results/compile-cpu.json` holds the (\d+\.\d+) run",
         [result("compile-cpu.json", "compiled_over_eager_images_per_s")],
@@ -151,6 +250,7 @@ def test_a_measured_number_is_its_result_files(doc, pattern, sources):
                 f"{doc}: {shown}, but {source.__doc__} is {value:.1f} s"
             )
             continue
+        shown = shown.replace(",", "")  # 1,092,206
         digits = len(shown.partition(".")[2])
         assert abs(float(shown) - value) <= 0.5 * 10**-digits + 1e-9, (
             f"{doc}: {shown}, but {source.__doc__} is {value} ({round(value, digits)} at the digits shown): "
