@@ -144,7 +144,16 @@ def _compare_with_index(
         return []
     label_col = "labels" if multi_label else "label"
     with root.open_file(INDEX) as f:
-        table = pq.read_table(f, columns=["key", "sha256", label_col], filters=[("shard", "=", shard.path)])
+        # synchronous: pyarrow's read-ahead threads, left reading a Python file object that the filter
+        # no longer needs, abort the interpreter at exit ("terminate called without an active
+        # exception": apache/arrow issues 34314, 39162); seen on about half of the runs here
+        table = pq.read_table(
+            f,
+            columns=["key", "sha256", label_col],
+            filters=[("shard", "=", shard.path)],
+            pre_buffer=False,
+            use_threads=False,
+        )
     out = []
     for key, sha, label in zip(*(table.column(c).to_pylist() for c in ("key", "sha256", label_col))):
         labels = label if multi_label else [label]
