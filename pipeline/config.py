@@ -418,6 +418,15 @@ class DeepSpeedConfig(_Section):
         "synchronize the device once per backward (DeepSpeed); turn off on one GPU, where nothing is reduced.",
     )
     grad_accum: int = Field(1, gt=0, description="Gradient accumulation steps.")
+    global_batch_tolerance: float = Field(
+        0.02,
+        ge=0.0,
+        lt=1.0,
+        description="A resume on another number of ranks keeps the checkpoint's global batch by adjusting "
+        "grad_accum. Where none keeps it exactly (16,384 on 1,016 ranks: one node of 128 lost), the nearest "
+        "global batch within this fraction of it is taken and the learning rate scaled by the same ratio "
+        "(the linear rule); beyond it the resume is refused, naming the numbers of ranks that fit. 0: exact only.",
+    )
     offload_optimizer: bool = Field(False, description="ZeRO CPU offload of the optimizer state.")
     offload_params: bool = Field(False, description="ZeRO-3 CPU offload of the parameters.")
 
@@ -677,17 +686,23 @@ class StageConfig(_Section):
             )
         if self.cluster.elastic and self.kind == "train":
             # Ray may run the stage on any size in the range; each must make the global batch
-            # micro-batch x grad_accum x MAX with a whole grad_accum.
+            # micro-batch x grad_accum x MAX with a whole grad_accum, or come within the tolerance of it.
             low, high = self.cluster.num_workers
-            per_rank = self.deepspeed.grad_accum * high
-            bad = [w for w in range(low, high + 1) if per_rank % w]
+            micro, accum, tolerance = (
+                self.data.batch_size,
+                self.deepspeed.grad_accum,
+                self.deepspeed.global_batch_tolerance,
+            )
+            target = micro * accum * high
+            bad = [w for w in range(low, high + 1) if nearest_accum(target, micro, w)[1] > tolerance]
             if bad:
-                fits = [w for w in range(low, high + 1) if per_rank % w == 0]
+                fits = [w for w in range(low, high + 1) if w not in bad]
                 raise ValueError(
-                    f"cluster.num_workers [{low}, {high}]: the global batch ({self.data.batch_size} x grad_accum "
-                    f"{self.deepspeed.grad_accum} x {high}) cannot be kept on {', '.join(map(str, bad))} workers "
-                    f"(grad_accum x {high} = {per_rank} is not a multiple of it); Ray may start the stage on any "
-                    f"size in the range, so narrow it (sizes that fit: {fits}) or raise deepspeed.grad_accum"
+                    f"cluster.num_workers [{low}, {high}]: the global batch ({micro} x grad_accum {accum} x {high}) "
+                    f"cannot be kept on {', '.join(map(str, bad))} workers (grad_accum x {high} = {accum * high} "
+                    f"is not a multiple of it, and the nearest global batch is more than "
+                    f"deepspeed.global_batch_tolerance, {tolerance:g}, off); Ray may start the stage on any size in "
+                    f"the range, so narrow it (sizes that fit: {fits}) or raise deepspeed.grad_accum"
                 )
         if self.kind == "eval":
             if self.model.init_from is None:
@@ -739,6 +754,13 @@ class StageConfig(_Section):
 
 
 # ---------------------------------------------------------------- reading and validating
+
+
+def nearest_accum(global_batch: int, micro_batch: int, world_size: int) -> tuple[int, float]:
+    """The grad_accum (at least 1) whose micro_batch x grad_accum x world_size comes nearest global_batch,
+    and how far off that is, as a fraction of global_batch (0.0: exactly)."""
+    accum = max(1, round(global_batch / (micro_batch * world_size)))
+    return accum, abs(micro_batch * accum * world_size - global_batch) / global_batch
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

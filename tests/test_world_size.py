@@ -19,7 +19,7 @@ from safetensors import safe_open
 from pipeline.config import load_config
 from pipeline.train import checkpoint
 from pipeline.train.engine import lr_multiplier, peak_lr
-from pipeline.train.loop import keep_global_batch
+from pipeline.train.loop import keep_global_batch, lr_rescale
 
 STAGES = (0, 1, 2, 3)
 TAG = checkpoint.tag_for(4)
@@ -157,14 +157,97 @@ def test_one_rank_resumes_on_two_per_zero_stage_in_bf16(smoke_dataset, tmp_path)
 def test_a_global_batch_the_new_world_cannot_make_names_the_numbers():
     cfg = load_config("configs/experiments/smoke.yaml", ["deepspeed.grad_accum=1"])
     saved = {"step": 40, "world_size": 2, "global_batch": 32}
-    assert keep_global_batch(cfg, saved, 2) is cfg
-    assert keep_global_batch(cfg, saved, 1).deepspeed.grad_accum == 2
+    assert keep_global_batch(cfg, saved, 2) == (cfg, 32)
+    assert keep_global_batch(cfg, saved, 1)[0].deepspeed.grad_accum == 2
     with pytest.raises(
         ValueError,
-        match=r"global batch 32 on 2 ranks; on 3 ranks .* 3 x 16 does not divide 32. Resume on a "
-        r"number of ranks that does \(1, 2\)$",
+        match=r"on 2 ranks, keeping a global batch of 32; on 3 ranks .* 3 x 16 does not divide 32, and the "
+        r"nearest, 48, is 50.00% off \(deepspeed.global_batch_tolerance: 0.02\). Resume on a number of ranks "
+        r"that does \(1-2\)$",
     ):
         keep_global_batch(cfg, saved, 3)
+
+
+def test_one_node_of_128_lost_keeps_the_global_batch_within_the_tolerance_and_scales_the_lr(caplog):
+    """16,384 on 1,016 ranks (micro-batch 16): no grad_accum makes it; grad_accum 1 makes 16,256 (-0.78%),
+    within the default 2%, and optim.lr scales by 16,256 / 16,384 (optim.base_lr scales by itself). The
+    checkpoint of that run keeps 16,384 as its target: back on 1,024 ranks, or on 1,016 again, the same."""
+    cfg = load_config("configs/experiments/smoke.yaml", ["deepspeed.grad_accum=1", "optim.lr=0.004"])
+    saved = {"step": 900, "world_size": 1024, "global_batch": 16384, "grad_accum": 1, "config_grad_accum": 1}
+    with caplog.at_level("WARNING", logger="pipeline.train.loop"):
+        run, target = keep_global_batch(cfg, saved, 1016)
+    assert (run.deepspeed.grad_accum, target) == (1, 16384)
+    assert math.isclose(run.optim.lr, 0.004 * 16256 / 16384, rel_tol=1e-12)
+    assert "16 x 1 x 1016 = 16256 (-0.78%) runs, the learning rate scaled by 0.99219" in caplog.text
+    again = {**saved, "world_size": 1016, "global_batch": 16256, "target_global_batch": 16384}
+    assert keep_global_batch(cfg, again, 1016)[0].optim.lr == run.optim.lr  # its own shape again
+    back, target = keep_global_batch(cfg, again, 1024)
+    assert (back.deepspeed.grad_accum, back.optim.lr, target) == (1, 0.004, 16384)
+    # a grad_accum changed in the config since: the config's global batch, as on any same-size resume
+    changed = load_config("configs/experiments/smoke.yaml", ["deepspeed.grad_accum=2"])
+    assert keep_global_batch(changed, again, 1016) == (changed, 16 * 2 * 1016)
+    blr = load_config("configs/experiments/smoke.yaml", ["optim.base_lr=0.001"])
+    run, _ = keep_global_batch(blr, {**saved, "config_grad_accum": 1}, 1016)
+    assert math.isclose(peak_lr(run, 1016), 0.001 * 16256 / 256) and run.optim.base_lr == 0.001
+    assert keep_global_batch(cfg, saved, 512)[0].optim.lr == 0.004  # half the nodes: grad_accum 2, exactly
+    with pytest.raises(
+        ValueError, match=r"the nearest, 11200, is 31.64% off .* that does \(335-348, 502-522, 1004-1044\)$"
+    ):
+        keep_global_batch(cfg, saved, 700)
+
+
+def test_lr_rescale_moves_a_restored_schedule_with_the_global_batch():
+    """A schedule restored from a checkpoint saved at global batch 20, run at 16: its base, its current rate
+    and the optimizer's initial_lr all x 0.8, and the steps after follow the scaled schedule."""
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    optimizer = torch.optim.AdamW([{"params": params, "lr": 1e-3}, {"params": [], "lr": 5e-4}])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, 2, 8, "cosine"))
+    for _ in range(4):
+        optimizer.step()
+        scheduler.step()
+    assert lr_rescale(scheduler, {"global_batch": 16}, 16) == 1.0
+    assert lr_rescale(scheduler, {"global_batch": 20}, 16) == 0.8
+    assert [g["initial_lr"] for g in optimizer.param_groups] == pytest.approx([8e-4, 4e-4])
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx(
+        [8e-4 * lr_multiplier(4, 2, 8, "cosine"), 4e-4 * lr_multiplier(4, 2, 8, "cosine")]
+    )
+    optimizer.step()
+    scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(8e-4 * lr_multiplier(5, 2, 8, "cosine"))
+
+
+@pytest.mark.timeout(900)
+def test_a_world_size_no_grad_accum_fits_runs_the_nearest_global_batch_with_the_lr_scaled(
+    smoke_dataset, tmp_path
+):
+    """One node lost, in small, with the real engine: a global batch of 20 (micro-batch 4 x grad_accum 5 on
+    1 rank) has no grad_accum on 2 ranks (20 / 8 = 2.5). With the tolerance at 25% steps 5-6 run on 2 ranks
+    at 16 with the learning rate x 0.8; steps 7-8, back on 1 rank, at 20 with the rate as scheduled."""
+    args = ["tests/scripts/world_size.py", "go", str(tmp_path), str(smoke_dataset), "2", "data.batch_size=4"]
+    args += ["deepspeed.grad_accum=5", "deepspeed.global_batch_tolerance=0.25", "checkpoint.keep_last=3"]
+    torchrun(*args, "debug.stop_at_step=4", nproc=1)
+    torchrun(*args, "debug.stop_at_step=6", nproc=2)
+    torchrun(*args, nproc=1)
+    run = tmp_path / "zero2/go"
+    records = {
+        s: json.loads((run / "checkpoints" / checkpoint.tag_for(s) / checkpoint.COMPLETE).read_text())
+        for s in (4, 6, 8)
+    }
+    shape = {
+        s: tuple(r[k] for k in ("world_size", "grad_accum", "global_batch", "target_global_batch"))
+        for s, r in records.items()
+    }
+    assert shape == {4: (1, 5, 20, 20), 6: (2, 2, 16, 20), 8: (1, 5, 20, 20)}
+    lr = dict(history(run, "train/lr"))
+    peak = peak_lr(
+        load_config("configs/experiments/smoke.yaml", ["data.batch_size=4", "deepspeed.grad_accum=5"]), 1
+    )
+    scale = {5: 0.8, 6: 0.8}
+    for step in range(1, 9):
+        expected = peak * scale.get(step, 1.0) * lr_multiplier(step, 2, 8, "cosine")
+        assert math.isclose(lr[step], expected, rel_tol=1e-9), (step, lr[step], expected)
+    loss = dict(history(run))
+    assert sorted(loss) == list(range(1, 9)) and all(math.isfinite(v) for v in loss.values())
 
 
 def test_an_elastic_stage_keeps_the_global_batch_of_its_largest_size():
@@ -172,7 +255,14 @@ def test_an_elastic_stage_keeps_the_global_batch_of_its_largest_size():
     with pytest.raises(ValueError, match=r"cannot be kept on 3 workers .*sizes that fit: \[1, 2, 4\]"):
         load_config(smoke, ["cluster.num_workers=[1,4]"])  # 16 x 1 x 4 = 64: not on 3 workers
     cfg = load_config(smoke, ["cluster.num_workers=[1,4]", "deepspeed.grad_accum=3"])  # 192 on every size
-    assert [keep_global_batch(cfg, None, w).deepspeed.grad_accum for w in (1, 2, 3, 4)] == [12, 6, 4, 3]
+    assert [keep_global_batch(cfg, None, w)[0].deepspeed.grad_accum for w in (1, 2, 3, 4)] == [12, 6, 4, 3]
+    # 1,016 to 1,024 workers: each within the tolerance of 16 x 1 x 1,024
+    elastic = load_config(smoke, ["cluster.num_workers=[1016,1024]"])
+    assert [keep_global_batch(elastic, None, w)[0].deepspeed.grad_accum for w in (1016, 1020, 1024)] == [
+        1,
+        1,
+        1,
+    ]
     saved = {"step": 8, "world_size": 1, "global_batch": 192, "grad_accum": 12}
-    assert keep_global_batch(cfg, saved, 1).deepspeed.grad_accum == 12  # the same size again: still 192
-    assert keep_global_batch(cfg, saved, 2).deepspeed.grad_accum == 6
+    assert keep_global_batch(cfg, saved, 1)[0].deepspeed.grad_accum == 12  # the same size again: still 192
+    assert keep_global_batch(cfg, saved, 2)[0].deepspeed.grad_accum == 6

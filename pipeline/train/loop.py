@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from data_prep.storage import Store, child
-from pipeline.config import ConfigError, StageConfig
+from pipeline.config import ConfigError, StageConfig, nearest_accum
 from pipeline.data.deal import Deal, continue_deal
 from pipeline.data.device import Prefetcher, batch_to_device, prefetch
 from pipeline.data.loader import make_train_loader
@@ -160,42 +160,101 @@ def _peak_flops(cfg: StageConfig, device: torch.device) -> float | None:
     return peak
 
 
-def keep_global_batch(cfg: StageConfig, saved: dict | None, world_size: int) -> StageConfig:
-    """The config to run on `world_size` ranks with: the global batch (micro-batch x grad_accum x ranks) stays
-    that of the checkpoint resumed from when it was saved by another number of ranks, or when the stage is
-    elastic (`cluster.num_workers: [MIN, MAX]`: then it starts as micro-batch x grad_accum x MAX), and
-    grad_accum adjusts; the learning rate, set for the global batch, stays with it."""
-    micro, c = cfg.data.batch_size, cfg.cluster
-    if saved is not None and (saved["world_size"] != world_size or c.elastic):
-        target = saved.get("global_batch") or micro * cfg.deepspeed.grad_accum * saved["world_size"]
-        source = f"step {saved['step']} was saved with global batch {target} on {saved['world_size']} ranks"
-    elif saved is None and c.elastic and c.launcher == "ray":
-        target = micro * cfg.deepspeed.grad_accum * c.max_workers
-        source = f"the elastic stage's global batch is {target} ({micro} x {cfg.deepspeed.grad_accum} x {c.max_workers} workers)"
+def keep_global_batch(cfg: StageConfig, saved: dict | None, world_size: int) -> tuple[StageConfig, int]:
+    """The config to run on `world_size` ranks with, and the global batch the stage keeps.
+
+    The global batch (micro-batch x grad_accum x ranks) stays the one the checkpoint resumed from kept when
+    that was saved by another number of ranks, or when the stage is elastic (`cluster.num_workers: [MIN,
+    MAX]`: then it starts as micro-batch x grad_accum x MAX), and grad_accum adjusts. Where no grad_accum
+    makes it exactly (16,384 on 1,016 ranks), the nearest within `deepspeed.global_batch_tolerance` runs and
+    optim.lr scales with it (optim.base_lr does by itself; `lr_rescale` moves a restored schedule); beyond
+    the tolerance a ConfigError names the numbers of ranks that fit. A checkpoint of such a run resumed on
+    its own number of ranks keeps the target, unless the config's grad_accum has changed since."""
+    micro, c, accum = cfg.data.batch_size, cfg.cluster, cfg.deepspeed.grad_accum
+    own = micro * accum * world_size
+    if saved is not None:
+        target = (
+            saved.get("target_global_batch")
+            or saved.get("global_batch")
+            or micro * accum * saved["world_size"]
+        )
+        moved = saved["world_size"] != world_size or c.elastic
+        carried = saved.get("config_grad_accum") == accum and target != own
+        if not (moved or carried):
+            return cfg, own  # the checkpoint's own shape
+        source = f"step {saved['step']} was saved on {saved['world_size']} ranks, keeping a global batch of {target}"
+    elif c.elastic and c.launcher == "ray":
+        target = micro * accum * c.max_workers
+        source = f"the elastic stage's global batch is {target} ({micro} x {accum} x {c.max_workers} workers)"
     else:
-        return cfg
-    accum, rest = divmod(target, micro * world_size)
-    if rest or accum == 0:
-        fits = [w for w in range(1, target + 1) if target % (micro * w) == 0]
-        advice = (
-            f"Resume on a number of ranks that does ({', '.join(map(str, fits[:8]))}), or set data.batch_size to "
-            f"a divisor of {target // world_size}"
+        return cfg, own
+    new_accum, off = nearest_accum(target, micro, world_size)
+    effective = micro * new_accum * world_size
+    tolerance = cfg.deepspeed.global_batch_tolerance
+    if off > tolerance:
+        fits = [
+            w
+            for w in range(1, int(target * (1 + tolerance) / micro) + 1)
+            if nearest_accum(target, micro, w)[1] <= tolerance
+        ]
+        runs: list[list[int]] = []  # contiguous sizes that fit, the three nearest world_size named
+        for w in fits:
+            if runs and runs[-1][1] == w - 1:
+                runs[-1][1] = w
+            else:
+                runs.append([w, w])
+        nearest = sorted(sorted(runs, key=lambda r: min(abs(r[0] - world_size), abs(r[1] - world_size)))[:3])
+        near = ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in nearest)
+        advice = f"Resume on a number of ranks that does ({near})" + (
+            f", or set data.batch_size to a divisor of {target // world_size}"
             if target % world_size == 0
-            else f"Resume on a number of ranks that does ({', '.join(map(str, fits[:8]))})"
+            else ""
         )
         raise ConfigError(
             f"{source}; on {world_size} ranks a micro-batch of {micro} (data.batch_size) cannot make it: "
-            f"{world_size} x {micro} does not divide {target}. {advice}"
+            f"{world_size} x {micro} does not divide {target}, and the nearest, {effective}, is {off:.2%} off "
+            f"(deepspeed.global_batch_tolerance: {tolerance:g}). {advice}"
         )
-    if accum != cfg.deepspeed.grad_accum:
+    update = {"deepspeed": cfg.deepspeed.model_copy(update={"grad_accum": new_accum})}
+    if off:
+        log.warning(
+            "%s; on %d ranks no grad_accum makes it: %d x %d x %d = %d (%+.2f%%) runs, the learning rate scaled by %.5f",
+            source,
+            world_size,
+            micro,
+            new_accum,
+            world_size,
+            effective,
+            100 * (effective - target) / target,
+            effective / target,
+        )
+        if cfg.optim.base_lr is None:  # base_lr * global_batch / 256 scales by itself
+            update["optim"] = cfg.optim.model_copy(update={"lr": cfg.optim.lr * effective / target})
+    elif new_accum != accum:
         log.warning(
             "on %d ranks: grad_accum %d -> %d keeps the global batch of %d",
             world_size,
-            cfg.deepspeed.grad_accum,
             accum,
+            new_accum,
             target,
         )
-    return cfg.model_copy(update={"deepspeed": cfg.deepspeed.model_copy(update={"grad_accum": accum})})
+    return cfg.model_copy(update=update), target
+
+
+def lr_rescale(lr_scheduler, saved: dict | None, global_batch: int) -> float:
+    """Scale the learning rate a checkpoint restored by global_batch / the global batch it was saved with
+    (the linear rule that optim.base_lr follows too): 1.0, and nothing changed, where they are equal. Every
+    group's current rate, its schedule's base and the optimizer's initial_lr move together."""
+    before = (saved or {}).get("global_batch")
+    if not before or before == global_batch:
+        return 1.0
+    scale = global_batch / before
+    lr_scheduler.base_lrs = [b * scale for b in lr_scheduler.base_lrs]
+    for group in lr_scheduler.optimizer.param_groups:
+        group["lr"] *= scale
+        if "initial_lr" in group:
+            group["initial_lr"] *= scale
+    return scale
 
 
 def saved_deal(
@@ -234,7 +293,8 @@ def train(
     # -- engine, then resume (weights, optimizer, scheduler, RNG, stream position)
     store = Store(cfg.checkpoint.uri) if cfg.checkpoint.uri else None  # object storage: s3://, gs://, ...
     saved = checkpoint.newest_record(ckpt_dir, store, ctx.rank, ctx.control_group)
-    cfg = keep_global_batch(cfg, saved, ctx.world_size)  # on another world size: grad_accum adjusts
+    config_accum = cfg.deepspeed.grad_accum
+    cfg, target = keep_global_batch(cfg, saved, ctx.world_size)  # on another world size: grad_accum adjusts
     engine, _, lr_scheduler = build_engine(model, cfg, ctx)
     objective.prepare(engine.module, ctx.device)
     restored = checkpoint.resume(
@@ -252,6 +312,9 @@ def train(
     ema = _weight_ema(engine, cfg, ctx, ckpt_dir, restored)
     accum = cfg.deepspeed.grad_accum
     global_batch = cfg.data.batch_size * accum * ctx.world_size
+    if restored is not None and cfg.debug.resume_optimizer:
+        lr_rescale(lr_scheduler, saved, global_batch)  # the restored rate, where the global batch moved
+    lr = peak_lr(cfg, ctx.world_size)
     # Which samples each rank and loader worker reads: a resume on another shape re-deals the rest of the epoch.
     shape = (ctx.world_size, max(1, cfg.data.num_workers), cfg.data.batch_size, accum)
     deal = Deal(*shape)
@@ -266,7 +329,13 @@ def train(
         )
 
     ckpt_seconds = [0.0]  # spent saving since the last log step: images/s leaves it out
-    meta = {"micro_batch": cfg.data.batch_size, "grad_accum": accum, "global_batch": global_batch}
+    meta = {
+        "micro_batch": cfg.data.batch_size,
+        "grad_accum": accum,
+        "global_batch": global_batch,
+        "target_global_batch": target,
+        "config_grad_accum": config_accum,
+    }
 
     def save(step: int) -> Path:
         t = time.perf_counter()
@@ -307,7 +376,7 @@ def train(
     recompute = checkpointed_fraction(engine.module)
     derived = {
         "derived.global_batch": global_batch,
-        "derived.lr": peak_lr(cfg, ctx.world_size),
+        "derived.lr": lr,
         "derived.num_params": num_params,
         "derived.flops_per_image": flops_img,
         "derived.precision": cfg.deepspeed.precision,
@@ -323,7 +392,7 @@ def train(
             print(
                 f"[{cfg.name}] {cfg.model.name} {num_params / 1e6:.2f}M params | "
                 f"{cfg.objective.name} | world {ctx.world_size} | global batch {global_batch} | "
-                f"lr {peak_lr(cfg, ctx.world_size):.2e} | ZeRO-{cfg.deepspeed.zero_stage} {cfg.deepspeed.precision} | "
+                f"lr {lr:.2e} | ZeRO-{cfg.deepspeed.zero_stage} {cfg.deepspeed.precision} | "
                 f"steps {start}->{cfg.optim.steps}"
                 + (f" | weight EMA {cfg.optim.ema_decay:g}" if ema is not None else "")
                 + (f" (resumed from {restored.tag})" if restored else ""),

@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 tests/scripts/world_size.py save OUT DATA STAGES...    # straight, and stop at 4
     torchrun --nproc-per-node 1 tests/scripts/world_size.py resume OUT DATA STAGES... [KEY=VALUE...]  # reshard at 4, go on to 8
+    torchrun --nproc-per-node N tests/scripts/world_size.py go OUT DATA STAGES... [KEY=VALUE...]  # OUT/zeroS/go, started or resumed
 
 `save` runs OUT/zeroS/switch (stopped at step 4), and for the first stage given OUT/zeroS/straight (8 steps
 uninterrupted: the loss the switched run is compared with). `resume` resumes
@@ -28,6 +29,9 @@ def main() -> None:
     stages = [int(a) for a in rest if a.isdigit()]
     extra = [a for a in rest if not a.isdigit()]  # overrides for every run
     for stage in stages:
+        if mode == "go":
+            run(out, data, stage, "go", *extra)
+            continue
         if mode == "save":
             if stage == stages[0]:
                 run(out, data, stage, "straight", *extra)
