@@ -11,7 +11,7 @@ from data_prep.layout import DatasetError, read_manifest
 from data_prep.synthetic import class_names, synthetic_samples
 from data_prep.tario import tar_members, tar_samples
 from data_prep.writer import write_dataset
-from pipeline.data.sources import dataset_info
+from pipeline.data.sources import DatasetInfo, dataset_info
 from pipeline.data.train_stream import ShardStream
 
 pytestmark = pytest.mark.unit
@@ -51,24 +51,52 @@ def test_synthetic_is_deterministic_and_multilabel():
 
 
 def _keys_of(stream: ShardStream, epoch: int, num_workers: int) -> list[str]:
+    """The keys of a rank's runs in `epoch`, read with plain webdataset: each worker's shards, less the
+    samples of its first shard that are the run before's, up to its run's length."""
     keys = []
     for w in range(num_workers):
-        for url in stream.shards_for(epoch, w, num_workers):
-            keys += [s["__key__"] for s in wds.WebDataset(url, shardshuffle=False)]
+        urls, passed, n = stream.slot_run(epoch, w, num_workers)
+        samples = [s["__key__"] for s in wds.WebDataset(urls, shardshuffle=False)]
+        assert len(samples) >= passed + n
+        keys += samples[passed : passed + n]
     return keys
 
 
+def _all_keys(info) -> list[str]:
+    return [s["__key__"] for s in wds.WebDataset(info.urls, shardshuffle=False)]
+
+
 def test_every_key_read_once_per_epoch_across_ranks_and_workers(dataset):
+    """81 training samples in 8 shards of 10 and one of 1, over 2 ranks x 2 workers, batch 4: 10 batches
+    per rank (81 // 8), 5 per worker; 80 samples once each, the one left over and the cut other each epoch."""
     info = dataset_info(dataset)
+    assert info.shard_counts == [10] * 8 + [1]
     streams = [
         ShardStream(info, rank=r, world_size=2, batch_size=4, img_size=16, seed=0, num_workers=2)
         for r in range(2)
     ]
+    assert [s.epoch_batches for s in streams] == [10, 10]
+    runs, left = {}, []
     for epoch in (0, 1):
-        keys = [k for s in streams for k in _keys_of(s, epoch, 2)]
-        counts = Counter(keys)
-        assert len(counts) == info.num_samples and set(counts.values()) == {1}
-    assert streams[0].shards_for(0, 0, 2) != streams[0].shards_for(1, 0, 2) or len(info.urls) < 4
+        runs[epoch] = [_keys_of(s, epoch, 2) for s in streams]
+        counts = Counter(k for keys in runs[epoch] for k in keys)
+        assert len(counts) == 80 and set(counts.values()) == {1}
+        assert [len(k) for k in runs[epoch]] == [40, 40]
+        left.append(set(_all_keys(info)) - set(counts))
+    assert len(left[0]) == len(left[1]) == 1 and left[0] != left[1]
+    assert runs[0] != runs[1]
+
+
+def test_fewer_shards_than_slots_need_counts(dataset):
+    """With the manifest's counts an epoch is cut in runs of samples, so 4 ranks x 4 workers read 7
+    shards; bare URLs (no counts) deal whole shards, at least one per slot."""
+    info = dataset_info(dataset)
+    assert len(info.urls) < 16
+    stream = ShardStream(info, rank=3, world_size=4, batch_size=4, img_size=16, seed=0, num_workers=4)
+    assert stream.epoch_batches == 81 // 16 and len(_keys_of(stream, 0, 4)) == 5 * 4
+    bare = DatasetInfo(info.urls, 6, True, None, None)
+    with pytest.raises(DatasetError, match=r"cannot be split over 4 ranks x 4 loader workers"):
+        ShardStream(bare, rank=0, world_size=4, batch_size=4, img_size=16, seed=0, num_workers=4)
 
 
 def test_batches_are_uint8_multi_hot_and_seeded(dataset):
@@ -84,12 +112,6 @@ def test_batches_are_uint8_multi_hot_and_seeded(dataset):
     assert a[0]["target"].shape == (8, 6) and set(a[0]["target"].unique().tolist()) <= {0.0, 1.0}
     assert all(torch.equal(x["image"], y["image"]) for x, y in zip(a, b))
     assert not all(torch.equal(x["image"], y["image"]) for x, y in zip(a, c))
-
-
-def test_too_few_shards_for_ranks_times_workers_is_a_clear_error(dataset):
-    info = dataset_info(dataset)
-    with pytest.raises(DatasetError, match=r"cannot be split over 4 ranks x 4 loader workers"):
-        ShardStream(info, rank=0, world_size=4, batch_size=4, img_size=16, seed=0, num_workers=4)
 
 
 def test_corrupt_image_is_skipped_and_counted(tmp_path):

@@ -16,7 +16,8 @@ from data_prep.layout import DatasetError
 from data_prep.synthetic import class_names, synthetic_samples
 from data_prep.writer import write_dataset
 from pipeline.config import DataConfig
-from pipeline.data.deal import Deal, continue_deal
+from pipeline.data import deal as deal_module
+from pipeline.data.deal import SHARDS, Deal, continue_deal
 from pipeline.data.loader import make_train_loader
 from pipeline.data.sources import DatasetInfo, dataset_info
 
@@ -108,6 +109,50 @@ def test_two_ranks_to_one_and_back_read_every_sample_of_each_epoch_once(info):
     assert continue_deal(two_again, 30, two_again.shape(), info, SEED) is two_again
 
 
+@pytest.fixture(scope="module")
+def uneven(tmp_path_factory):
+    """300 samples in 8 shards of 37 and one of 4: every slot's run of samples begins or ends inside a shard."""
+    root = tmp_path_factory.mktemp("uneven")
+    write_dataset(root, synthetic_samples(300, 6, seed=2, width=24, height=20), class_names(6), True, 37)
+    return dataset_info(root, "train")
+
+
+def test_runs_that_cut_shards_redeal_and_read_every_sample_of_the_epoch_once(uneven):
+    """2 ranks x 2 workers, batch 8: 300 // 16 = 18 batches per rank (9 per worker), 288 samples an epoch,
+    12 left to no one; runs start and end inside shards. Re-dealt on one rank at step 5, epoch 0 is the
+    uninterrupted run's 288 samples with their crops; back on two ranks mid-carry, still."""
+    assert uneven.shard_counts == [37] * 8 + [4]
+    two = Deal(2, WORKERS, BATCH, 1)
+    ranges = [
+        deal_module.slot_range(uneven.shard_counts, SEED, 0, 2, WORKERS, r, w, BATCH)
+        for r in (0, 1)
+        for w in (0, 1)
+    ]
+    assert [n for _, _, n in ranges] == [72] * 4 and any(passed for _, passed, _ in ranges)
+    straight = run(uneven, two, 0, 18)
+    epoch0 = samples(merged(straight), 0)
+    assert len(epoch0) == 288
+
+    before = run(uneven, two, 0, 5)
+    one = continue_deal(two, 5, (1, WORKERS, BATCH, 2), uneven, SEED)
+    assert [p.batch for slot in one.carry for p in slot] and all(
+        p.batch == BATCH for slot in one.carry for p in slot
+    )
+    assert sum(p.take for slot in one.carry for p in slot) == 288 - 5 * 16
+    one = continue_deal(
+        Deal.from_dict(json.loads(json.dumps(two.to_dict()))), 5, (1, WORKERS, BATCH, 2), uneven, SEED
+    )
+    after = run(uneven, one, 5, 13)  # the carry's 26 batches
+    seen0 = samples(merged(before, after), 0)
+    assert seen0.keys() == epoch0.keys()
+    for key, image in seen0.items():
+        assert torch.equal(image, epoch0[key]), key
+
+    two_again = continue_deal(one, 9, (2, WORKERS, BATCH, 1), uneven, SEED)  # 8 of the carry's 26 made
+    later = run(uneven, two_again, 9, 9)
+    assert samples(merged(before, [after[0][:8]], later), 0).keys() == epoch0.keys()
+
+
 def test_one_rank_to_two_continues_the_epoch_on_both(info):
     one = Deal(1, WORKERS, BATCH, 2)
     straight = run(info, one, 0, 20)
@@ -159,16 +204,17 @@ def test_a_deal_survives_json_and_an_uncounted_stream_cannot_redeal(info):
 
 
 def test_a_deal_saved_with_shard_urls_reads_as_the_same_stream(info):
-    """A checkpoint of before pieces named their slot-epoch listed each piece's shard URLs and keys."""
-    two = Deal(2, WORKERS, BATCH, 1)
-    one = continue_deal(two, 7, (1, WORKERS, BATCH, 2), info, SEED)
-    n = len(info.urls)
+    """A checkpoint of before pieces named their slot-epoch listed each piece's shard URLs and keys (and
+    dealt its epochs in whole shards: a record without `epochs` goes on so)."""
+    two = Deal(2, WORKERS, BATCH, 1, epochs=SHARDS)
+    one = dataclasses.replace(continue_deal(two, 7, (1, WORKERS, BATCH, 2), info, SEED), epochs=SHARDS)
+    counts = info.shard_counts
     old = {
-        **{k: v for k, v in one.to_dict().items() if k != "carry"},
+        **{k: v for k, v in one.to_dict().items() if k not in ("carry", "epochs")},
         "carry": [
             [
                 {
-                    "urls": [info.urls[i] for i in p.shard_indices(n)],
+                    "urls": [info.urls[i] for i in p.extent(counts)[0]],
                     "shuffle_key": list(p.shuffle_key),
                     "augment_key": list(p.augment_key),
                     "epoch": p.epoch,
@@ -181,13 +227,26 @@ def test_a_deal_saved_with_shard_urls_reads_as_the_same_stream(info):
         ],
     }
     read = Deal.from_dict(json.loads(json.dumps(old)), info.urls)
-    assert [[p.shard_indices(n) for p in slot] for slot in read.carry] == [
-        [p.shard_indices(n) for p in slot] for slot in one.carry
+    assert [[p.extent(counts) for p in slot] for slot in read.carry] == [
+        [p.extent(counts) for p in slot] for slot in one.carry
     ]
+    assert read.epochs == SHARDS
     a, b = run(info, read, 7, 14), run(info, one, 7, 14)  # the carry's 26 batches and two of epoch 1
     assert [x["key"] for x in a[0]] == [x["key"] for x in b[0]]
     assert all(torch.equal(x["image"], y["image"]) for x, y in zip(a[0], b[0]))
     assert Deal.from_dict(json.loads(json.dumps(read.to_dict()))) == read  # and saved again as a table
+
+    # the table of before sample-exact epochs: 8 columns, no batch
+    v1 = {k: v for k, v in one.to_dict().items() if k != "epochs"}
+    table = deal_module._unpack(v1["carry"]["pieces"], 9)
+    assert (table[:, 8] == 0).all()
+    v1["carry"] = {
+        **v1["carry"],
+        "format": "slot-epochs/1",
+        "columns": v1["carry"]["columns"][:8],
+        "pieces": deal_module._pack(table[:, :8]),
+    }
+    assert Deal.from_dict(json.loads(json.dumps(v1))) == one
 
     with pytest.raises(ValueError, match="shard_urls"):
         Deal.from_dict(old)

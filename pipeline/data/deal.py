@@ -3,8 +3,15 @@
 A slot is one DataLoader worker of one rank: slot r x W + w for rank r and worker w. A deal is the shape
 a stage streams with: world size, workers per rank, micro-batch and grad_accum, from `base_step` on.
 Under a deal every slot reads first its carry (the unread rest of epochs begun under an earlier deal),
-then the deal's own epochs from `first_epoch` on, each of which deals every shard once over the slots
-(`shards_for`; train_stream's epoch mode) and owes every slot the same quota of batches.
+then the deal's own epochs from `first_epoch` on. An epoch (`slot_range`) lays the split's shards end to
+end in an order drawn from (seed, epoch) and cuts that sequence of samples into runs of whole batches,
+rank after rank, worker after worker: every rank the same number of batches (`rank_quota`: samples //
+(ranks x micro-batch)), its workers within one of each other (`worker_quota`), and fewer than ranks x
+micro-batch samples at the end left for no one. So an epoch reads every sample once but fewer than one
+global batch, whatever the shards' sizes; a slot reads whole shards but at its two ends, where it passes
+over the samples of the slot before it. Checkpoints of before this layout dealt whole shards, each slot
+its share of the order and every slot the quota of the worst such share (`epochs: "shards"`,
+`sources.epoch_batches`): such a stream goes on as it was, and its pieces keep their layout when re-dealt.
 
 A stage starts on the initial deal (base step 0, no carry): the stream as it always was, and a resume on
 the same shape continues it bitwise. A resume on another shape (a node lost or added, other workers or
@@ -18,12 +25,12 @@ grad_accum) re-deals (`continue_deal`):
 3. the old slots' pieces, in slot order, are cut into equal whole batches over the new slots: the new
    deal's carry. Its epochs begin after the frontier.
 So within every epoch no sample is read twice and none is left out, beyond what every epoch leaves out
-by design (a slot's tail past its quota) and, when the micro-batch changed, fewer than one batch at the
-end of the carry. The deal (`to_dict`: JSON, its pieces one compressed table of integers that name their
+by design (fewer than ranks x micro-batch samples) and, when the micro-batch changed, fewer than one batch
+at the end of the carry. The deal (`to_dict`: JSON, its pieces one compressed table of integers that name their
 slot-epochs, never shards or URLs: kilobytes at 100k shards) goes into every checkpoint once, so a later
-change re-deals from it. A re-deal costs one sort of the shard counts (the quota) and O(1) per old slot; a
-rank lists the shards of its own pieces only, from the epoch's permutation (computed once per epoch and
-process, `slot_shards`). Re-dealing needs the manifest's exact counts; a resampled stream has no epochs to
+change re-deals from it. A re-deal costs O(1) per old slot (and, for a stream in the old layout, one sort of the
+shard counts); a rank lists the shards of its own pieces only, from the epoch's permutation and its
+running sample counts (computed once per epoch and process, `slot_range`). Re-dealing needs the manifest's exact counts; a resampled stream has no epochs to
 keep, and starts fresh draws keyed by the new base step.
 """
 
@@ -33,6 +40,7 @@ import base64
 import functools
 import logging
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -42,14 +50,17 @@ from pipeline.data import seeds
 from pipeline.data.sources import DatasetInfo, epoch_batches
 
 log = logging.getLogger(__name__)
+SAMPLES, SHARDS = "samples", "shards"  # how a deal's epochs are laid out (the module docstring)
 
 
 @dataclass(frozen=True)
 class Piece:
     """Samples [skip, skip + take) of one slot-epoch's stream: slot (rank, worker) of `epoch` in a deal over
-    world_size x workers slots keyed by `seed` (its shards `shard_indices`, shuffled by `shuffle_key`; sample
-    i augmented from `augment_key` and i). A piece names its slot-epoch rather than listing its shards, so a
-    deal's record is O(pieces) whatever the dataset, and a rank finds the shards of its own pieces only."""
+    world_size x workers slots keyed by `seed` (its samples `extent`, shuffled by `shuffle_key`; sample i
+    augmented from `augment_key` and i). `batch`: the deal's micro-batch, whose runs of batches the epoch
+    was cut into (`slot_range`); 0 for an epoch dealt in whole shards (`slot_shards`, the old layout). A
+    piece names its slot-epoch rather than listing its shards, so a deal's record is O(pieces) whatever the
+    dataset, and a rank finds the shards of its own pieces only."""
 
     seed: int
     epoch: int
@@ -59,6 +70,7 @@ class Piece:
     worker: int
     skip: int
     take: int
+    batch: int = 0
     # Explicit shard indices: a piece read from a checkpoint whose deal listed URLs (`Deal.from_dict`).
     shards: tuple[int, ...] | None = None
 
@@ -70,17 +82,28 @@ class Piece:
     def augment_key(self) -> tuple[int, ...]:
         return (seeds.AUGMENT, self.seed, self.epoch, self.rank, self.worker)
 
-    def shard_indices(self, num_shards: int) -> list[int]:
+    def extent(self, counts: Sequence[int]) -> tuple[list[int], int, int | None]:
+        """The slot-epoch's samples: (shard indices, samples of the first passed over, samples in all;
+        None: every sample of those shards)."""
         if self.shards is not None:
-            return list(self.shards)
-        return slot_shards(
-            num_shards, self.seed, self.epoch, self.world_size, self.rank, self.worker, self.workers
+            return list(self.shards), 0, None
+        seed, epoch, world, workers, rank, worker = (
+            self.seed,
+            self.epoch,
+            self.world_size,
+            self.workers,
+            self.rank,
+            self.worker,
         )
+        if self.batch:
+            return slot_range(counts, seed, epoch, world, workers, rank, worker, self.batch)
+        return slot_shards(len(counts), seed, epoch, world, rank, worker, workers), 0, None
 
 
-# A piece as one row of the record's table (`Deal.to_dict`).
-_COLUMNS = ("seed", "epoch", "world_size", "workers", "rank", "worker", "skip", "take")
-_FORMAT = "slot-epochs/1"
+# A piece as one row of the record's table (`Deal.to_dict`); format 1 had no batch (whole-shard epochs).
+_COLUMNS = ("seed", "epoch", "world_size", "workers", "rank", "worker", "skip", "take", "batch")
+_FORMAT = "slot-epochs/2"
+_FORMATS = {"slot-epochs/1": _COLUMNS[:-1], _FORMAT: _COLUMNS}
 
 
 def _pack(a: np.ndarray) -> str:
@@ -100,6 +123,7 @@ class Deal:
     base_step: int = 0
     first_epoch: int = 0
     carry: tuple[tuple[Piece, ...], ...] = field(default=())  # per slot; () when there is none
+    epochs: str = SAMPLES  # its own epochs' layout; SHARDS: a stream begun before sample-exact epochs
 
     @property
     def slots(self) -> int:
@@ -128,6 +152,7 @@ class Deal:
             "grad_accum": self.grad_accum,
             "base_step": self.base_step,
             "first_epoch": self.first_epoch,
+            "epochs": self.epochs,
         }
         if self.carry:
             pieces = [p for slot in self.carry for p in slot]
@@ -145,23 +170,24 @@ class Deal:
     def from_dict(cls, d: dict, shard_urls: list[str] | None = None) -> Deal:
         """The deal `to_dict` wrote. A record of before pieces named their slot-epoch lists each piece's
         shard URLs: `shard_urls` (the dataset's, in order) turns them into indices; a URL it lacks is an
-        error naming it."""
+        error naming it. A record without `epochs` is of a stream dealt in whole shards, and goes on so."""
         carry = d.get("carry") or ()
         if isinstance(carry, dict):
             carry = _carry_from_table(carry)
         elif carry:
             carry = _carry_from_urls(carry, shard_urls)
-        return cls(**{**d, "carry": carry})
+        return cls(**{**d, "carry": carry, "epochs": d.get("epochs", SHARDS)})
 
 
 def _carry_from_table(record: dict) -> tuple[tuple[Piece, ...], ...]:
-    if record.get("format") != _FORMAT or tuple(record.get("columns", ())) != _COLUMNS:
+    columns = _FORMATS.get(record.get("format"))
+    if columns is None or tuple(record.get("columns", ())) != columns:
         raise DatasetError(
             f"the checkpoint's data position is in format {record.get('format')!r} with columns "
-            f"{record.get('columns')}; this version reads {_FORMAT!r} with {list(_COLUMNS)}: resume with the "
-            "version of the project that saved it"
+            f"{record.get('columns')}; this version reads {', '.join(map(repr, _FORMATS))} with "
+            f"{list(_COLUMNS)}: resume with the version of the project that saved it"
         )
-    table = _unpack(record["pieces"], len(_COLUMNS))
+    table = _unpack(record["pieces"], len(columns))
     explicit = {int(i): tuple(s) for i, s in record.get("shards", {}).items()}
     pieces = [Piece(*(int(v) for v in row), shards=explicit.get(i)) for i, row in enumerate(table.tolist())]
     ends = np.cumsum(_unpack(record["per_slot"])[:, 0]).tolist()
@@ -211,22 +237,82 @@ def slot_shards(
     return _order(num_shards, seed, epoch)[rank::world_size][worker::workers].tolist()
 
 
+def rank_quota(counts: Sequence[int], world_size: int, batch: int) -> int:
+    """Batches each rank yields per epoch dealt in runs of samples: floor(samples / (ranks x batch))."""
+    return sum(counts) // (world_size * batch)
+
+
+def worker_quota(per_rank: int, worker: int, workers: int) -> int:
+    """Of a rank's `per_rank` batches per epoch, those of `worker`: the first workers one more."""
+    return per_rank // workers + (1 if worker < per_rank % workers else 0)
+
+
+@functools.lru_cache(maxsize=4)
+def _ends(counts: tuple[int, ...], seed: int, epoch: int) -> np.ndarray:
+    """The running sample count at the end of each shard of the epoch's order: once per epoch and process."""
+    ends = np.cumsum(np.asarray(counts, dtype=np.int64)[_order(len(counts), seed, epoch)])
+    ends.flags.writeable = False
+    return ends
+
+
+def slot_range(
+    counts: Sequence[int],
+    seed: int,
+    epoch: int,
+    world_size: int,
+    workers: int,
+    rank: int,
+    worker: int,
+    batch: int,
+) -> tuple[list[int], int, int]:
+    """Slot (rank, worker)'s samples of `epoch` (the module docstring): (the shard indices its run covers,
+    in the epoch's order; samples of the first of them that belong to the slot before it; samples in the
+    run, a whole number of batches)."""
+    per_rank = rank_quota(counts, world_size, batch)
+    n = worker_quota(per_rank, worker, workers) * batch
+    if n == 0:
+        return [], 0, 0
+    start = batch * (rank * per_rank + worker * (per_rank // workers) + min(worker, per_rank % workers))
+    ends = _ends(tuple(counts), seed, epoch)
+    first = int(np.searchsorted(ends, start, side="right"))  # the shard that holds sample `start`
+    last = int(np.searchsorted(ends, start + n, side="left"))  # ... and sample start + n - 1
+    order = _order(len(counts), seed, epoch)
+    passed = start - int(ends[first]) + counts[int(order[first])]
+    return order[first : last + 1].tolist(), passed, n
+
+
 def shards_for(
     info: DatasetInfo, seed: int, epoch: int, world_size: int, rank: int, worker: int, workers: int
 ) -> list[str]:
-    """Epoch mode: the shards of slot (rank, worker) in `epoch` (every shard once over all slots)."""
+    """Whole-shard epochs (the old layout, and streams without counts): the shards of slot (rank, worker)
+    in `epoch` (every shard once over all slots)."""
     return [info.urls[i] for i in slot_shards(len(info.urls), seed, epoch, world_size, rank, worker, workers)]
 
 
-def quota(info: DatasetInfo, deal: Deal) -> int | None:
-    """Batches every slot yields per epoch of the deal (None without exact counts)."""
-    per_rank = epoch_batches(info, deal.world_size, deal.batch_size, deal.workers)
-    return None if per_rank is None else per_rank // deal.workers
+def deal_quota(info: DatasetInfo, deal: Deal) -> int | None:
+    """Batches every rank yields per epoch of the deal (None without exact counts)."""
+    if info.shard_counts is None:
+        return None
+    if deal.epochs == SAMPLES:
+        return rank_quota(info.shard_counts, deal.world_size, deal.batch_size)
+    return epoch_batches(info, deal.world_size, deal.batch_size, deal.workers)
+
+
+def slot_quota(deal: Deal, per_rank: int | None, worker: int) -> int | None:
+    """Batches worker `worker` of every rank yields per epoch of the deal (None without counts)."""
+    if per_rank is None:
+        return None
+    return (
+        worker_quota(per_rank, worker, deal.workers) if deal.epochs == SAMPLES else per_rank // deal.workers
+    )
 
 
 def epoch_piece(seed: int, deal: Deal, epoch: int, rank: int, worker: int, q: int | None) -> Piece:
     """The whole of slot (rank, worker)'s `epoch` under `deal`: its quota `q` of batches."""
-    return Piece(seed, epoch, deal.world_size, deal.workers, rank, worker, 0, (q or 0) * deal.batch_size)
+    batch = deal.batch_size if deal.epochs == SAMPLES else 0
+    return Piece(
+        seed, epoch, deal.world_size, deal.workers, rank, worker, 0, (q or 0) * deal.batch_size, batch
+    )
 
 
 @dataclass(frozen=True)
@@ -240,7 +326,7 @@ class Position:
 
 
 def position(deal: Deal, slot: int, done: int, q: int | None) -> Position:
-    """`q`: the deal's quota (`quota`), None for an uncounted stream."""
+    """`q`: the slot's quota (`slot_quota`), None for an uncounted stream."""
     carried = deal.carried(slot)
     in_carry = deal.carry_batches(slot)
     if done < in_carry:
@@ -272,7 +358,7 @@ def continue_deal(
     shape = (world, workers, batch, accum)
     if deal.shape() == shape:
         return deal
-    fresh = Deal(world, workers, batch, accum, base_step=step)
+    fresh = Deal(world, workers, batch, accum, base_step=step)  # its own epochs in runs of samples
     if resampled:
         return fresh
     if info.shard_counts is None:
@@ -282,10 +368,17 @@ def continue_deal(
             f"{workers} ({batch}, {accum}); continuing its epoch on another shape needs the dataset's exact "
             "per-shard counts (a manifest.json)"
         )
-    # O(shards log shards) once (the quota), then O(1) per old slot and piece: no slot's shards are listed.
-    rank_batches, q = deal.rank_batches(step), quota(info, deal)
+    # The quota once (a sum of the counts; a sort for the old layout), then O(1) per old slot and piece:
+    # no slot's shards are listed.
+    rank_batches, per_rank = deal.rank_batches(step), deal_quota(info, deal)
+    quotas = [slot_quota(deal, per_rank, w) for w in range(deal.workers)]
     positions = [
-        position(deal, slot, batches_done_by_worker(rank_batches, slot % deal.workers, deal.workers), q)
+        position(
+            deal,
+            slot,
+            batches_done_by_worker(rank_batches, slot % deal.workers, deal.workers),
+            quotas[slot % deal.workers],
+        )
         for slot in range(deal.slots)
     ]
     begun = [p.epoch if p.within else p.epoch - 1 for p in positions if not p.carry]
@@ -295,7 +388,7 @@ def continue_deal(
         rank, worker = divmod(slot, deal.workers)
         rest.extend(pos.carry)
         for epoch in range(pos.epoch, frontier + 1):
-            piece = epoch_piece(seed, deal, epoch, rank, worker, q)
+            piece = epoch_piece(seed, deal, epoch, rank, worker, quotas[worker])
             if epoch == pos.epoch and pos.within:
                 done = pos.within * deal.batch_size
                 piece = replace(piece, skip=done, take=piece.take - done)

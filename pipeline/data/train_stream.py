@@ -1,13 +1,14 @@
 """The training stream of one rank: endless (or `epochs`-long), step-driven, resumable exactly.
 
 Two modes:
-- epoch mode (default): epoch e deals every shard once over all (rank, worker) slots in an order
-  drawn from (seed, e). With exact counts, every worker yields exactly `epoch_batches / workers`
-  batches per epoch and drops the rest, so every rank yields `epoch_batches` per epoch (the
-  guaranteed minimum over every epoch's deal, `sources.epoch_batches()`), epochs line up with steps
-  (epoch = batch // `loader.dataset.epoch_batches`) and `epochs=N` ends every rank after the
-  same N x epoch_batches batches. Needs at least ranks x workers shards. Without counts (bare
-  URLs) epochs flow into one another and `epoch_batches` is None.
+- epoch mode (default): with exact counts (a manifest), epoch e lays the shards end to end in an order
+  drawn from (seed, e) and cuts the samples into runs of whole batches, one per (rank, worker) slot
+  (`deal.slot_range`): every rank yields `epoch_batches` = samples // (ranks x batch_size) batches per
+  epoch, its workers within one batch of each other, and an epoch reads every sample once but fewer
+  than ranks x batch_size; `epochs=N` ends every rank after the same N x epoch_batches batches. Without
+  counts (bare URLs) epoch e deals whole shards over the slots (at least one each), epochs flow into
+  one another and `epoch_batches` is None; so do streams resumed from a checkpoint of before
+  (`Deal.epochs`), with the quota of the worst share (`sources.epoch_batches()`).
 - resampled mode (`resampled=True`, JFT scale): no epochs; each worker draws shards with
   replacement from an rng seeded by (seed, rank, worker), in rounds of shards/slots shards.
 The in-worker shuffle of each epoch or round draws from (seed, epoch or round, rank, worker) and
@@ -21,9 +22,9 @@ another world size, read before the deal's own epochs).
    (`batches_done_by_worker`). A resumed DataLoader starts asking at process 0 again, so process k
    plays worker (k + M) % W: the stream's batch M comes from process 0.
 2. Where that worker was. Call its batches done D.
-   - Epoch mode with counts: every epoch the worker yields exactly Q = epoch_batches / W batches
-     (its quota), so it starts at epoch D // Q without reading anything, with D % Q batches of that
-     epoch made: it skips (D % Q) x batch_size samples of it.
+   - Epoch mode with counts: every epoch the worker yields exactly Q batches (its quota), so it
+     starts at epoch D // Q without reading anything, with D % Q batches of that epoch made: it skips
+     (D % Q) x batch_size samples of it.
    - Resampled mode with counts: the rounds' shard draws and the manifest's counts say how many
      samples each round holds, so whole rounds are skipped unread; the skip count carries the rest.
    - Without counts: the worker reads (never decodes) D x batch_size samples from the start.
@@ -58,7 +59,17 @@ from pipeline.data.batching import (
     loader_worker,
     sample_labels,
 )
-from pipeline.data.deal import Deal, Piece, batches_done_by_worker, position, shards_for
+from pipeline.data.deal import (
+    SAMPLES,
+    Deal,
+    Piece,
+    batches_done_by_worker,
+    position,
+    rank_quota,
+    shards_for,
+    slot_quota,
+    slot_range,
+)
 from pipeline.data.shard_reader import SkipCounter, read_shards
 from pipeline.data.sources import DatasetInfo, epoch_batches
 from pipeline.data.transforms import train_boxes, train_crop_plan, train_pair, train_tensor
@@ -95,6 +106,8 @@ class _Round:
     num_samples: int | None  # from the manifest
     quota: int | None  # batches this worker yields in it (epoch mode with counts); None: flows on
     skip: int = 0  # samples of its stream read past, unused (made before a resume, or by another slot)
+    passed: int = 0  # samples of its first shard before its own run (another slot's): never its stream's
+    limit: int | None = None  # samples of its shards that are its stream (from `passed` on); None: all
     made: int = 0  # batches of the quota made before a resume
     take: int | None = None  # a carried piece: samples to use after `skip`; its batches run on into the next
     ends_carry: bool = False  # the last carried piece: a batch it leaves unfilled is dropped
@@ -151,7 +164,9 @@ class ShardStream(IterableDataset):
             )
         if epochs is not None and (deal.carry or deal.base_step):
             raise ValueError("epochs=N counts from the initial deal: a re-dealt stream counts steps instead")
-        if not resampled and len(info.urls) < slots:
+        # runs of samples need the counts; without them an epoch deals whole shards, at least one per slot
+        self.runs = not resampled and info.shard_counts is not None and deal.epochs == SAMPLES
+        if not resampled and not self.runs and len(info.urls) < slots:
             raise DatasetError(
                 f"{len(info.urls)} shards cannot be split over {world_size} ranks x {workers} "
                 f"loader workers; write at least {slots} shards (vitpipe shard --max-count), use fewer "
@@ -159,7 +174,17 @@ class ShardStream(IterableDataset):
             )
         if resampled and epochs is not None:
             raise ValueError("resampled streams have no epochs: leave epochs=None and count steps")
-        self.epoch_batches = None if resampled else epoch_batches(info, world_size, batch_size, workers)
+        if resampled:
+            self.epoch_batches = None
+        elif self.runs:
+            self.epoch_batches = rank_quota(info.shard_counts, world_size, batch_size)
+        else:
+            self.epoch_batches = epoch_batches(info, world_size, batch_size, workers)
+        if self.epoch_batches == 0 and self.runs:
+            raise DatasetError(
+                f"{info.urls[0]}...: {sum(info.shard_counts)} samples do not make one batch of {batch_size} "
+                f"on each of {world_size} ranks; use a smaller batch or fewer ranks"
+            )
         if self.epoch_batches == 0:
             smallest = sorted(info.shard_counts or [])[: len(info.urls) // slots]
             raise DatasetError(
@@ -187,26 +212,45 @@ class ShardStream(IterableDataset):
         """Of the rank's first `start_batch` batches, how many came from `worker` (round-robin)."""
         return batches_done_by_worker(start_batch, worker, num_workers)
 
-    def shards_for(self, epoch: int, worker: int, num_workers: int) -> list[str]:
-        """Epoch mode: this rank's and worker's shards in `epoch` (every shard once over all slots)."""
-        return shards_for(self.info, self.seed, epoch, self.world_size, self.rank, worker, num_workers)
+    def slot_run(self, epoch: int, worker: int, num_workers: int) -> tuple[list[str], int, int | None]:
+        """Epoch mode: this rank's and worker's shards in `epoch`, the samples of the first of them that are
+        another slot's, and the samples of its run (None: every sample of its shards)."""
+        if self.runs:
+            shards, passed, n = slot_range(
+                self.info.shard_counts,
+                self.seed,
+                epoch,
+                self.world_size,
+                num_workers,
+                self.rank,
+                worker,
+                self.batch_size,
+            )
+            return [self.info.urls[i] for i in shards], passed, n
+        return (
+            shards_for(self.info, self.seed, epoch, self.world_size, self.rank, worker, num_workers),
+            0,
+            None,
+        )
 
     def _count(self, urls: list[str] | tuple[str, ...]) -> int | None:
         return sum(self._counts[u] for u in urls) if self._counts else None
 
     def _epoch_rounds(self, worker: int, num_workers: int, first: int = 0) -> Iterator[_Round]:
-        quota = self.epoch_batches // num_workers if self.epoch_batches is not None else None
+        quota = slot_quota(self.deal, self.epoch_batches, worker)
         for e in itertools.count(first):
             if self.epochs is not None and e >= self.epochs:
                 return
-            urls = self.shards_for(e, worker, num_workers)
+            urls, passed, n = self.slot_run(e, worker, num_workers)
             yield _Round(
                 e,
                 urls,
                 (seeds.SHUFFLE, self.seed, e, self.rank, worker),
                 (seeds.AUGMENT, self.seed, e, self.rank, worker),
-                self._count(urls),
+                self._count(urls) if n is None else n,
                 quota,
+                passed=passed,
+                limit=n,
             )
 
     def resampled_rounds(self, worker: int, num_workers: int) -> Iterator[_Round]:
@@ -229,30 +273,34 @@ class ShardStream(IterableDataset):
             )
 
     def _carried_rounds(self, pieces: tuple[Piece, ...]) -> list[_Round]:
-        urls = [[self.info.urls[i] for i in p.shard_indices(len(self.info.urls))] for p in pieces]
-        return [
-            _Round(
-                p.epoch,
-                urls[i],
-                p.shuffle_key,
-                p.augment_key,
-                self._count(urls[i]),
-                None,
-                skip=p.skip,
-                take=p.take,
-                ends_carry=i == len(pieces) - 1,
+        rounds = []
+        for i, p in enumerate(pieces):
+            shards, passed, n = p.extent(self.info.shard_counts)
+            urls = [self.info.urls[k] for k in shards]
+            rounds.append(
+                _Round(
+                    p.epoch,
+                    urls,
+                    p.shuffle_key,
+                    p.augment_key,
+                    self._count(urls) if n is None else n,
+                    None,
+                    skip=p.skip,
+                    take=p.take,
+                    ends_carry=i == len(pieces) - 1,
+                    passed=passed,
+                    limit=n,
+                )
             )
-            for i, p in enumerate(pieces)
-        ]
+        return rounds
 
     def _resume(self, worker: int, num_workers: int) -> tuple[Iterator[_Round], int]:
         """The worker's rounds from its resume point and samples to skip (read, not decoded) before them
         beyond their own `skip` (the module docstring's step 2)."""
         done = self.batches_done_by_worker(self.start_batch, worker, num_workers)
         if not self.resampled and self.epoch_batches is not None:
-            pos = position(
-                self.deal, self.rank * num_workers + worker, done, self.epoch_batches // num_workers
-            )
+            q = slot_quota(self.deal, self.epoch_batches, worker)
+            pos = position(self.deal, self.rank * num_workers + worker, done, q)
             rounds = self._epoch_rounds(worker, num_workers, pos.epoch)
             if pos.carry:
                 return itertools.chain(self._carried_rounds(pos.carry), rounds), 0
@@ -277,9 +325,11 @@ class ShardStream(IterableDataset):
         shuffle_rng = seeds.rng(*rnd.shuffle_key)
         for repeat in itertools.count():
             good_before = counter.read - counter.bad
-            yield from _shuffle(
-                read_shards(rnd.urls, counter, self._counts), self.shuffle_buffer, shuffle_rng
-            )
+            samples = read_shards(rnd.urls, counter, self._counts)
+            if rnd.passed or rnd.limit is not None:  # its run: read past the slot before's samples
+                stop = None if rnd.limit is None else rnd.passed + rnd.limit
+                samples = itertools.islice(samples, rnd.passed, stop)
+            yield from _shuffle(samples, self.shuffle_buffer, shuffle_rng)
             if rnd.quota is None:
                 return
             if repeat > 0 and counter.read - counter.bad == good_before:

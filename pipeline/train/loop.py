@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from data_prep.storage import Store, child
 from pipeline.config import ConfigError, StageConfig, nearest_accum
-from pipeline.data.deal import Deal, continue_deal
+from pipeline.data.deal import SHARDS, Deal, continue_deal
 from pipeline.data.device import Prefetcher, batch_to_device, prefetch
 from pipeline.data.loader import make_train_loader
 from pipeline.data.sources import DatasetInfo
@@ -261,13 +261,13 @@ def saved_deal(
     restored: checkpoint.Restored, saved: dict | None, shape: tuple[int, int, int, int], info: DatasetInfo
 ) -> Deal:
     """The deal the checkpoint's stream was on; a checkpoint from before deals were saved streamed on the
-    initial deal of the shape it was saved with. (`info`: the dataset's shard URLs read a deal saved with URLs.)"""
+    initial deal of the shape it was saved with, in whole-shard epochs. (`info`: the dataset's shard URLs read a deal saved with URLs.)"""
     if "data" in restored.extra:
         return Deal.from_dict(restored.extra["data"], info.urls)
     record = saved or {}
     world = restored.saved_by or shape[0]
     accum = record.get("grad_accum") or (shape[3] * shape[0] // world if world != shape[0] else shape[3])
-    return Deal(world, shape[1], record.get("micro_batch", shape[2]), accum)
+    return Deal(world, shape[1], record.get("micro_batch", shape[2]), accum, epochs=SHARDS)
 
 
 def train(
