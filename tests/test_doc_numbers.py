@@ -136,6 +136,22 @@ CLAIMS = [
     ),
     (
         "docs/scale.md",
+        r"\| the same, before \(whole shards, every slot the worst share\) \| (\d\.\d+) \| (\d\.\d+) \|",
+        [
+            result("scale.json", "jft.epoch_share_used_whole_shards"),
+            result("scale.json", "10k.epoch_share_used_whole_shards"),
+        ],
+    ),
+    (
+        "docs/scale.md",
+        r"\| samples read past at the head of a run \(never decoded\) \| (\d\.\d+) \| (\d\.\d+) \|",
+        [
+            result("scale.json", "jft.epoch_read_past.value"),
+            result("scale.json", "10k.epoch_read_past.value"),
+        ],
+    ),
+    (
+        "docs/scale.md",
         r"read the 21 MB manifest, pack it \| (\d\.\d+) s, \+(\d+\.\d) MB RSS \| (\d\.\d+) s, \+(\d+\.\d) MB",
         [
             result("scale.json", "jft.startup_rank0_s.value"),
