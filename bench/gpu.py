@@ -174,10 +174,11 @@ def _build(t: Train, gpu: bool, num_classes: int = CLASSES, data: dict | None = 
     """(cfg, ctx, engine, objective, forward FLOPs per image) for a training case, the model made on the device."""
     import torch
 
+    from pipeline.distributed import init_distributed
     from pipeline.models import create_model
     from pipeline.objectives import build_objective
     from pipeline.stage import model_kwargs
-    from pipeline.train.engine import build_engine, init_distributed
+    from pipeline.train.engine import build_engine
     from pipeline.train.loop import _flops_per_image
 
     cfg = _stage_config(t, gpu, data)
@@ -379,7 +380,7 @@ def run_fed_training(data_root: str, t: Train, gpu: bool, workers: int) -> dict:
 
 def child(kind: str, spec: dict, result_path: Path) -> None:
     """One case in this process: its result (or its exception's last lines) goes to `result_path`."""
-    from pipeline.train.engine import shutdown_distributed
+    from pipeline.distributed import shutdown_distributed
 
     try:
         if kind == "train":

@@ -44,9 +44,10 @@ from provenance import write_result  # noqa: E402  (bench/provenance.py, beside 
 from data_prep.storage import Store  # noqa: E402
 from pipeline.config import validate_config  # noqa: E402
 from pipeline.data.transforms import normalize  # noqa: E402
+from pipeline.distributed import init_distributed, shutdown_distributed
 from pipeline.models import create_model  # noqa: E402
 from pipeline.train import checkpoint  # noqa: E402
-from pipeline.train.engine import build_engine, init_distributed, shutdown_distributed  # noqa: E402
+from pipeline.train.engine import build_engine  # noqa: E402
 
 
 def slowest(seconds: float) -> float:

@@ -24,10 +24,11 @@ from provenance import write_result  # noqa: E402  (bench/provenance.py, beside 
 from pipeline.config import validate_config  # noqa: E402
 from pipeline.data.device import batch_to_device  # noqa: E402
 from pipeline.data.transforms import normalize  # noqa: E402
+from pipeline.distributed import init_distributed
 from pipeline.models import create_model, param_groups  # noqa: E402
 from pipeline.objectives import build_objective, model_kwargs  # noqa: E402
 from pipeline.train import checkpoint  # noqa: E402
-from pipeline.train.engine import build_engine, init_distributed  # noqa: E402
+from pipeline.train.engine import build_engine  # noqa: E402
 from pipeline.train.loop import train_step  # noqa: E402
 
 MODEL, IMG, BATCH, CLASSES = "vit_ti16", 64, 32, 100

@@ -32,8 +32,9 @@ from provenance import write_result  # noqa: E402  (bench/provenance.py, beside 
 
 from pipeline.config import validate_config  # noqa: E402
 from pipeline.data.transforms import normalize  # noqa: E402
+from pipeline.distributed import init_distributed
 from pipeline.models import create_model  # noqa: E402
-from pipeline.train.engine import build_engine, init_distributed  # noqa: E402
+from pipeline.train.engine import build_engine  # noqa: E402
 
 
 def storage_key(t: torch.Tensor):

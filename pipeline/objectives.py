@@ -24,10 +24,10 @@ from torch import nn
 from pipeline.config import ObjectiveConfig
 from pipeline.data.batching import MASK_IGNORE
 from pipeline.data.transforms import IMAGENET_MEAN, IMAGENET_STD, mixup_cutmix, normalize
+from pipeline.exported import load_exported  # the teacher: a folder, a .safetensors file or a storage URI
 from pipeline.models import create_model
 from pipeline.models.boxes import hungarian_match, set_loss
 from pipeline.models.masked_patch import mean_colour_classes
-from pipeline.train.export import load_exported  # the teacher: a folder, a .safetensors file or a storage URI
 
 
 class Objective(Protocol):

@@ -34,6 +34,8 @@ from pipeline import objectives
 from pipeline.config import StageConfig, flatten, save_resolved, validate_config
 from pipeline.data.sources import DatasetInfo, dataset_info
 from pipeline.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+from pipeline.distributed import DistContext, init_distributed
+from pipeline.exported import export_preprocessing, load_exported
 from pipeline.models.convert import check_published_architecture, load_timm_state_dict
 from pipeline.tracking import (
     CHECKPOINT_URI_TAG,
@@ -43,8 +45,6 @@ from pipeline.tracking import (
     read_run_id,
     write_run_id,
 )
-from pipeline.train.engine import DistContext, init_distributed
-from pipeline.train.export import export_preprocessing, load_exported
 
 log = logging.getLogger(__name__)
 CONFIG_FILE = "config.yaml"  # the resolved config, in the run directory and as an MLflow artifact

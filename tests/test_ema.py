@@ -18,9 +18,10 @@ from conftest import torchrun
 from safetensors.torch import load_file
 
 from pipeline.config import ConfigError, load_config
+from pipeline.exported import EMA_WEIGHTS, META, WEIGHTS, ema_weights, load_exported
 from pipeline.models import create_model
 from pipeline.train.ema import Fragment, WeightEma, flat_share, reading_order
-from pipeline.train.export import EMA_WEIGHTS, META, WEIGHTS, ema_weights, export_weights, load_exported
+from pipeline.train.export import export_weights
 
 SCRIPT = "tests/scripts/ema.py"
 SMOKE = "configs/experiments/smoke.yaml"

@@ -381,8 +381,8 @@ def test_deepspeed_is_imported_without_mlflow_and_mlflow_still_imports_after():
     per process): the engine's import keeps it out, and rank 0's later `import mlflow` works."""
     code = (
         "import sys\n"
-        "from pipeline.train.engine import _deepspeed\n"
-        "_deepspeed()\n"
+        "from pipeline.distributed import deepspeed_module\n"
+        "deepspeed_module()\n"
         "import deepspeed.autotuning.autotuner as tuner\n"
         "print('deepspeed' in sys.modules, 'mlflow' in sys.modules, tuner.has_mlflow)\n"
         "import mlflow\n"
@@ -398,3 +398,36 @@ def test_deepspeed_is_imported_without_mlflow_and_mlflow_still_imports_after():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["True", "False", "False", "mlflow"], proc.stdout
+
+
+def _imported(path: Path) -> set[str]:
+    """The modules a source file imports (absolute imports; the package's own are all absolute)."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+    return found
+
+
+def test_imports_point_one_way():
+    """cluster/ -> pipeline/ -> data_prep/ (../shared/ARCHITECTURE.md); inside pipeline/, the stage runtime
+    and everything below it (stage.py, objectives.py, data/, models/, ...) never import train/ or eval/."""
+    above = ("pipeline.train", "pipeline.eval")
+    rules = {
+        "data_prep": ("pipeline", "cluster", "vitpipe"),
+        "pipeline": ("cluster",),
+    }
+    wrong = []
+    for package, banned in rules.items():
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            below = package == "pipeline" and not rel.startswith(("pipeline/train/", "pipeline/eval/"))
+            for name in _imported(path):
+                top = name.split(".")[0]
+                if top in banned or (below and name.startswith(above)):
+                    wrong.append(f"{rel} imports {name}")
+    assert not wrong, "\n".join(wrong)

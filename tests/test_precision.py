@@ -20,15 +20,15 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from conftest import models_for
 
 from pipeline.config import ConfigError, load_config, validate_config
+from pipeline.distributed import init_distributed, shutdown_distributed
 from pipeline.models import create_model
 from pipeline.objectives import build_objective
 from pipeline.stage import model_kwargs
 from pipeline.train import checkpoint
-from pipeline.train.engine import bucket_elements, build_engine, consolidated_state_dict, init_distributed
+from pipeline.train.engine import bucket_elements, build_engine, consolidated_state_dict
 from pipeline.train.export import export_weights
 from pipeline.train.loop import train_step
 
@@ -80,7 +80,7 @@ def one_rank():
         for k, v in env.items():
             mp.setenv(k, v)
         yield init_distributed(use_gpu=False)
-        dist.destroy_process_group()
+        shutdown_distributed()
 
 
 @pytest.fixture(scope="module")

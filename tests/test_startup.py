@@ -22,9 +22,9 @@ from data_prep.synthetic import class_names, synthetic_samples
 from data_prep.writer import write_dataset
 from pipeline.config import validate_config
 from pipeline.data.sources import DatasetInfo, dataset_info
+from pipeline.distributed import DistContext, shutdown_distributed
 from pipeline.stage import Stage
 from pipeline.train import checkpoint
-from pipeline.train.engine import DistContext
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +63,12 @@ def _rank(rank: int, store: str, root: str, ckpts: str, out: str) -> None:
     dist.init_process_group(
         "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
     )
+    result = _on_rank(rank, root, ckpts)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    shutdown_distributed()  # with nothing left holding the group, so its threads end before the exit
+
+
+def _on_rank(rank: int, root: str, ckpts: str) -> dict:
     ctx = DistContext(rank, 2, rank, torch.device("cpu"), dist.group.WORLD)
     result: dict = {}
     # Rank 1's data.train names a folder its node lacks: the stage works all the same, as rank 1 never reads it.
@@ -77,8 +83,7 @@ def _rank(rank: int, store: str, root: str, ckpts: str, out: str) -> None:
     # Each rank's disk holds another newest complete tag; every rank gets the newest of all, rank 1's.
     result["record"] = checkpoint.newest_record(Path(ckpts, f"node{rank}"), None, rank, dist.group.WORLD)
     result["none"] = checkpoint.newest_record(Path(ckpts, "nowhere"), None, rank, dist.group.WORLD)
-    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+    return result
 
 
 @pytest.mark.dist

@@ -73,7 +73,7 @@ def test_checkpoints_on_s3_resume_a_run_whose_local_directory_is_gone(s3, tmp_pa
 
     from data_prep.synthetic import class_names, synthetic_samples
     from data_prep.writer import write_dataset
-    from pipeline.train import export
+    from pipeline import exported
 
     data = tmp_path / "data"
     write_dataset(data, synthetic_samples(320, 8, seed=0, width=48, height=40), class_names(8), True, 40)
@@ -103,13 +103,13 @@ def test_checkpoints_on_s3_resume_a_run_whose_local_directory_is_gone(s3, tmp_pa
     local = out / "remote" / "checkpoints" / "step_00000004" / "COMPLETE.json"
     assert json.loads(local.read_text()) == record
     # The export is on storage too, and loads from there.
-    state, meta = export.load_exported(child(uri, "export"))
+    state, meta = exported.load_exported(child(uri, "export"))
     assert all(torch.equal(state[k], w_remote[k]) for k in w_remote)
     assert meta["step"] == 8 and meta["ema"] == {"weights": "model_ema.safetensors", "decay": 0.9}
     # ... and its EMA beside it, which an eval stage of the stored export finds.
-    stored_ema = export.ema_weights(child(uri, "export"))
+    stored_ema = exported.ema_weights(child(uri, "export"))
     assert stored_ema == child(uri, "export", "model_ema.safetensors")
-    state, meta = export.load_exported(stored_ema)
+    state, meta = exported.load_exported(stored_ema)
     assert all(torch.equal(state[k], e_remote[k]) for k in e_remote) and meta["step"] == 8
 
 

@@ -36,6 +36,7 @@ from pipeline.data.batching import MASK_IGNORE
 from pipeline.data.loader import make_eval_loader
 from pipeline.data.sources import DatasetInfo
 from pipeline.data.transforms import IMAGENET_MEAN, IMAGENET_STD, normalize
+from pipeline.distributed import DistContext
 from pipeline.eval.fewshot import fewshot_ridge, linear_probe
 from pipeline.eval.figures import (
     detection_figure,
@@ -53,13 +54,12 @@ from pipeline.eval.metrics import (
     top1_is_positive,
     topk_correct,
 )
+from pipeline.exported import ema_weights
 from pipeline.models import create_model
 from pipeline.models.boxes import cxcywh_to_xyxy
 from pipeline.models.detr import detections
 from pipeline.stage import Stage, init_weights, model_kwargs, open_stage, output_classes
 from pipeline.tracking import Tracker
-from pipeline.train.engine import DistContext
-from pipeline.train.export import ema_weights
 
 log = logging.getLogger(__name__)
 EVAL_FILE = "eval.json"

@@ -24,8 +24,8 @@ from data_prep.synthetic import (
 )
 from data_prep.writer import write_dataset
 from pipeline.config import ConfigError, StageConfig, check_inputs, load_config
+from pipeline.distributed import shutdown_distributed
 from pipeline.eval.run import evaluate  # light: matplotlib loads only when a figure is drawn
-from pipeline.train.engine import shutdown_distributed
 from pipeline.train.loop import StageResult, train
 
 

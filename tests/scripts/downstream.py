@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 from pipeline.config import load_config
+from pipeline.distributed import shutdown_distributed
 from pipeline.eval.run import evaluate
-from pipeline.train.engine import shutdown_distributed
 from pipeline.train.loop import train
 
 SMOKE = Path(__file__).parents[2] / "configs/experiments/smoke.yaml"

@@ -26,16 +26,11 @@ import torch
 import torch.distributed as dist
 
 from pipeline.config import load_config
+from pipeline.distributed import DistContext, init_distributed, shutdown_distributed
 from pipeline.models import create_model
 from pipeline.stage import model_kwargs
 from pipeline.train.ema import WeightEma, ema_file
-from pipeline.train.engine import (
-    DistContext,
-    build_engine,
-    consolidated_state_dict,
-    init_distributed,
-    shutdown_distributed,
-)
+from pipeline.train.engine import build_engine, consolidated_state_dict
 
 SMOKE = Path(__file__).parents[2] / "configs/experiments/smoke.yaml"
 DECAY = 0.5  # large steps: an EMA away from the weights in 4 steps

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 from pipeline.config import load_config
+from pipeline.distributed import shutdown_distributed
 from pipeline.eval.run import evaluate
-from pipeline.train.engine import shutdown_distributed
 
 
 def main() -> None:

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 from pipeline.config import load_config
-from pipeline.train.engine import shutdown_distributed
-from pipeline.train.export import load_exported
+from pipeline.distributed import shutdown_distributed
+from pipeline.exported import load_exported
 from pipeline.train.loop import train
 
 SMOKE = Path(__file__).parents[2] / "configs/experiments/smoke.yaml"

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from pipeline.config import load_config
-from pipeline.train.engine import shutdown_distributed
+from pipeline.distributed import shutdown_distributed
 from pipeline.train.loop import train
 
 SMOKE = Path(__file__).parents[2] / "configs/experiments/smoke.yaml"

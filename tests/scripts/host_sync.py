@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from pipeline.config import load_config
+from pipeline.distributed import shutdown_distributed
 from pipeline.train import loop
-from pipeline.train.engine import shutdown_distributed
 
 SMOKE = Path(__file__).parents[2] / "configs/experiments/smoke.yaml"
 READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch.distributed as dist
 from smoke_run import smoke_run
 
-from pipeline.train.engine import shutdown_distributed
+from pipeline.distributed import shutdown_distributed
 
 
 def run(out: Path, data: str, name: str, *extra: str) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch.distributed as dist
 from smoke_run import smoke_run
 
-from pipeline.train.engine import shutdown_distributed
+from pipeline.distributed import shutdown_distributed
 
 
 def run(root: Path, data: str, out: Path, name: str, *extra: str):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from smoke_run import smoke_run
 
-from pipeline.train.engine import shutdown_distributed
+from pipeline.distributed import shutdown_distributed
 
 
 def run(out: Path, data: str, stage: int, name: str, *extra: str) -> None:
