@@ -189,7 +189,7 @@ def measure(name: str, samples: int, shards: int, world: int, nodes: int, tmp: P
     position = json.dumps(lost.to_dict())
     t = time.perf_counter()  # a rank's own shards after the re-deal: its carried pieces', one permutation
     for p in lost.carried(0):
-        p.extent(info.shard_counts)
+        p.extent(info)
     slot_range(info.shard_counts, 0, lost.first_epoch, lost.world_size, WORKERS, 0, 0, MICRO)
     own_shards = time.perf_counter() - t
 

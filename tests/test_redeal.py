@@ -208,13 +208,12 @@ def test_a_deal_saved_with_shard_urls_reads_as_the_same_stream(info):
     dealt its epochs in whole shards: a record without `epochs` goes on so)."""
     two = Deal(2, WORKERS, BATCH, 1, epochs=SHARDS)
     one = dataclasses.replace(continue_deal(two, 7, (1, WORKERS, BATCH, 2), info, SEED), epochs=SHARDS)
-    counts = info.shard_counts
     old = {
         **{k: v for k, v in one.to_dict().items() if k not in ("carry", "epochs")},
         "carry": [
             [
                 {
-                    "urls": [info.urls[i] for i in p.extent(counts)[0]],
+                    "urls": [info.urls[i] for i in p.extent(info)[0]],
                     "shuffle_key": list(p.shuffle_key),
                     "augment_key": list(p.augment_key),
                     "epoch": p.epoch,
@@ -227,8 +226,8 @@ def test_a_deal_saved_with_shard_urls_reads_as_the_same_stream(info):
         ],
     }
     read = Deal.from_dict(json.loads(json.dumps(old)), info.urls)
-    assert [[p.extent(counts) for p in slot] for slot in read.carry] == [
-        [p.extent(counts) for p in slot] for slot in one.carry
+    assert [[p.extent(info) for p in slot] for slot in read.carry] == [
+        [p.extent(info) for p in slot] for slot in one.carry
     ]
     assert read.epochs == SHARDS
     a, b = run(info, read, 7, 14), run(info, one, 7, 14)  # the carry's 26 batches and two of epoch 1

@@ -82,22 +82,26 @@ class Piece:
     def augment_key(self) -> tuple[int, ...]:
         return (seeds.AUGMENT, self.seed, self.epoch, self.rank, self.worker)
 
-    def extent(self, counts: Sequence[int]) -> tuple[list[int], int, int | None]:
-        """The slot-epoch's samples: (shard indices, samples of the first passed over, samples in all;
-        None: every sample of those shards)."""
+    def extent(self, info: DatasetInfo) -> tuple[list[int], int, int | None]:
+        """The slot-epoch's samples in `info`'s dataset: (shard indices, samples of the first passed over,
+        samples in all; None: every sample of those shards)."""
         if self.shards is not None:
             return list(self.shards), 0, None
-        seed, epoch, world, workers, rank, worker = (
-            self.seed,
-            self.epoch,
-            self.world_size,
-            self.workers,
-            self.rank,
-            self.worker,
-        )
         if self.batch:
-            return slot_range(counts, seed, epoch, world, workers, rank, worker, self.batch)
-        return slot_shards(len(counts), seed, epoch, world, rank, worker, workers), 0, None
+            return slot_range(
+                info.shard_counts,
+                self.seed,
+                self.epoch,
+                self.world_size,
+                self.workers,
+                self.rank,
+                self.worker,
+                self.batch,
+            )
+        slot = slot_shards(
+            len(info.urls), self.seed, self.epoch, self.world_size, self.rank, self.worker, self.workers
+        )
+        return slot, 0, None
 
 
 # A piece as one row of the record's table (`Deal.to_dict`); format 1 had no batch (whole-shard epochs).
@@ -279,14 +283,6 @@ def slot_range(
     order = _order(len(counts), seed, epoch)
     passed = start - int(ends[first]) + counts[int(order[first])]
     return order[first : last + 1].tolist(), passed, n
-
-
-def shards_for(
-    info: DatasetInfo, seed: int, epoch: int, world_size: int, rank: int, worker: int, workers: int
-) -> list[str]:
-    """Whole-shard epochs (the old layout, and streams without counts): the shards of slot (rank, worker)
-    in `epoch` (every shard once over all slots)."""
-    return [info.urls[i] for i in slot_shards(len(info.urls), seed, epoch, world_size, rank, worker, workers)]
 
 
 def deal_quota(info: DatasetInfo, deal: Deal) -> int | None:

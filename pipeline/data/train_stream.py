@@ -66,9 +66,7 @@ from pipeline.data.deal import (
     batches_done_by_worker,
     position,
     rank_quota,
-    shards_for,
     slot_quota,
-    slot_range,
 )
 from pipeline.data.shard_reader import SkipCounter, read_shards
 from pipeline.data.sources import DatasetInfo, epoch_batches
@@ -212,25 +210,31 @@ class ShardStream(IterableDataset):
         """Of the rank's first `start_batch` batches, how many came from `worker` (round-robin)."""
         return batches_done_by_worker(start_batch, worker, num_workers)
 
+    def slot_piece(self, epoch: int, worker: int, num_workers: int) -> Piece:
+        """Epoch mode: this rank's and worker's whole `epoch` (in runs of samples where the counts allow,
+        else in whole shards)."""
+        batch = self.batch_size if self.runs else 0
+        return Piece(self.seed, epoch, self.world_size, num_workers, self.rank, worker, 0, 0, batch)
+
     def slot_run(self, epoch: int, worker: int, num_workers: int) -> tuple[list[str], int, int | None]:
-        """Epoch mode: this rank's and worker's shards in `epoch`, the samples of the first of them that are
-        another slot's, and the samples of its run (None: every sample of its shards)."""
-        if self.runs:
-            shards, passed, n = slot_range(
-                self.info.shard_counts,
-                self.seed,
-                epoch,
-                self.world_size,
-                num_workers,
-                self.rank,
-                worker,
-                self.batch_size,
-            )
-            return [self.info.urls[i] for i in shards], passed, n
-        return (
-            shards_for(self.info, self.seed, epoch, self.world_size, self.rank, worker, num_workers),
-            0,
-            None,
+        """This rank's and worker's shards in `epoch`, the samples of the first of them that are another
+        slot's, and the samples of its run (None: every sample of its shards)."""
+        shards, passed, n = self.slot_piece(epoch, worker, num_workers).extent(self.info)
+        return [self.info.urls[i] for i in shards], passed, n
+
+    def _piece_round(self, piece: Piece, quota: int | None, **extra) -> _Round:
+        shards, passed, n = piece.extent(self.info)
+        urls = [self.info.urls[i] for i in shards]
+        return _Round(
+            piece.epoch,
+            urls,
+            piece.shuffle_key,
+            piece.augment_key,
+            self._count(urls) if n is None else n,
+            quota,
+            passed=passed,
+            limit=n,
+            **extra,
         )
 
     def _count(self, urls: list[str] | tuple[str, ...]) -> int | None:
@@ -241,17 +245,7 @@ class ShardStream(IterableDataset):
         for e in itertools.count(first):
             if self.epochs is not None and e >= self.epochs:
                 return
-            urls, passed, n = self.slot_run(e, worker, num_workers)
-            yield _Round(
-                e,
-                urls,
-                (seeds.SHUFFLE, self.seed, e, self.rank, worker),
-                (seeds.AUGMENT, self.seed, e, self.rank, worker),
-                self._count(urls) if n is None else n,
-                quota,
-                passed=passed,
-                limit=n,
-            )
+            yield self._piece_round(self.slot_piece(e, worker, num_workers), quota)
 
     def resampled_rounds(self, worker: int, num_workers: int) -> Iterator[_Round]:
         """Resampled mode: rounds of shards drawn with replacement from (seed, rank, worker), and the deal's
@@ -273,26 +267,10 @@ class ShardStream(IterableDataset):
             )
 
     def _carried_rounds(self, pieces: tuple[Piece, ...]) -> list[_Round]:
-        rounds = []
-        for i, p in enumerate(pieces):
-            shards, passed, n = p.extent(self.info.shard_counts)
-            urls = [self.info.urls[k] for k in shards]
-            rounds.append(
-                _Round(
-                    p.epoch,
-                    urls,
-                    p.shuffle_key,
-                    p.augment_key,
-                    self._count(urls) if n is None else n,
-                    None,
-                    skip=p.skip,
-                    take=p.take,
-                    ends_carry=i == len(pieces) - 1,
-                    passed=passed,
-                    limit=n,
-                )
-            )
-        return rounds
+        return [
+            self._piece_round(p, None, skip=p.skip, take=p.take, ends_carry=i == len(pieces) - 1)
+            for i, p in enumerate(pieces)
+        ]
 
     def _resume(self, worker: int, num_workers: int) -> tuple[Iterator[_Round], int]:
         """The worker's rounds from its resume point and samples to skip (read, not decoded) before them
