@@ -138,22 +138,13 @@ def _compare_with_index(
     root: DatasetDir, shard: ShardInfo, seen: dict[str, tuple[str, list]], multi_label: bool
 ) -> list[Problem]:
     """Name the damaged samples of a shard whose sha256 is off, from their index.parquet rows."""
-    import pyarrow.parquet as pq  # only on this rare path: workers stay light
+    from data_prep.index import read_shard_rows  # pyarrow, only on this rare path: workers stay light
 
     if root.size(INDEX) is None:
         return []
     label_col = "labels" if multi_label else "label"
     with root.open_file(INDEX) as f:
-        # synchronous: pyarrow's read-ahead threads, left reading a Python file object that the filter
-        # no longer needs, abort the interpreter at exit ("terminate called without an active
-        # exception": apache/arrow issues 34314, 39162); seen on about half of the runs here
-        table = pq.read_table(
-            f,
-            columns=["key", "sha256", label_col],
-            filters=[("shard", "=", shard.path)],
-            pre_buffer=False,
-            use_threads=False,
-        )
+        table = read_shard_rows(f, shard.path, ["key", "sha256", label_col])
     out = []
     for key, sha, label in zip(*(table.column(c).to_pylist() for c in ("key", "sha256", label_col))):
         labels = label if multi_label else [label]
