@@ -357,7 +357,9 @@ def test_a_shards_index_rows_are_read_from_its_row_groups_only(tmp_path):
     assert none.num_rows == 0 and none.schema == pa.schema([pa.field("label", pa.int64())])
     (c, c_bytes), (a, a_bytes) = rows("val/c.tar", ["key"]), rows("train/a.tar", ["key"])
     footer_only = rows("train/zz.tar", ["key"])[1]
-    assert c["key"].to_pylist() == ["k12", "k13", "k14"] and a["key"].to_pylist() == [f"k{i}" for i in range(5)]
+    assert c["key"].to_pylist() == ["k12", "k13", "k14"] and a["key"].to_pylist() == [
+        f"k{i}" for i in range(5)
+    ]
     assert c_bytes - footer_only < (a_bytes - footer_only) * 0.75  # one row group of four, not two
 
 
