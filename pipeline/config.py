@@ -507,6 +507,12 @@ class TrackingConfig(_Section):
 class CheckpointConfig(_Section):
     every_steps: int = Field(0, ge=0, description="Save every N steps; 0 saves only at the end.")
     keep_last: int = Field(2, gt=0, description="Checkpoints kept on disk.")
+    asynchronous: bool = Field(
+        True,
+        description="The step waits only for a copy of the state in host memory; writing, hashing and uploading "
+        "run beside training, one save at a time, and the tag is marked complete once every rank's files are "
+        "written (and uploaded). False: every save completes before training goes on.",
+    )
     export: bool = Field(True, description="Export consolidated fp32 weights (safetensors) at the end.")
     uri: str | None = Field(
         None,

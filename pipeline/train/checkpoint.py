@@ -1,4 +1,6 @@
-"""Checkpoints that survive restarts: every rank saves, `latest` moves only once all have finished.
+"""Checkpoints that survive restarts: what a tag holds, and resuming from the newest complete one.
+
+Saving (every rank, the files written and uploaded beside training): `pipeline.train.saving`.
 
     ckpt_dir/step_00000040/   DeepSpeed's files (mp_rank_00_model_states.pt, zero_pp_rank_R_*...)
                               rank_R.pt        this rank's RNG states; rank 0's also the stage's data-stream position
@@ -35,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import io
 import json
 import logging
@@ -43,7 +44,6 @@ import os
 import random
 import shutil
 import socket
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,8 +51,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from data_prep import atomic
 from data_prep.storage import Store
+from data_prep.tario import file_sha256
 
 log = logging.getLogger(__name__)
 
@@ -63,14 +63,6 @@ UNIVERSAL = "universal"
 
 def tag_for(step: int) -> str:
     return f"step_{step:08d}"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def rng_state() -> dict:
@@ -121,85 +113,9 @@ def stale_tags(tags: list[str], tag: str, keep_last: int) -> list[str]:
     return older[: max(0, len(older) - (keep_last - 1))]
 
 
-def _prune_local(ckpt_dir: Path, tag: str, keep_last: int) -> None:
+def prune_local(ckpt_dir: Path, tag: str, keep_last: int) -> None:
     for old in stale_tags([p.name for p in ckpt_dir.glob("step_*") if p.is_dir()], tag, keep_last):
         shutil.rmtree(ckpt_dir / old, ignore_errors=True)  # another node may prune a shared disk too
-
-
-def save(
-    engine,
-    ckpt_dir: Path,
-    step: int,
-    keep_last: int,
-    rank: int,
-    extra: dict | None = None,
-    group=None,
-    store: Store | None = None,
-    local_rank: int = 0,
-    meta: dict | None = None,
-    write_more: Callable[[Path], object] | None = None,
-) -> Path:
-    """Collective: every rank must call it (rank-0-only saving hangs, DeepSpeed issue 2993). `extra`, the
-    stage's state beside the engine's (the data stream's position), is the same on every rank: rank 0's file
-    holds it, and `resume` hands it to every rank. `meta` goes into
-    COMPLETE.json (the loop records its micro-batch and global batch: a resume on another world size keeps it).
-    `write_more(tag_dir)` writes this rank's further files into the tag (the weight EMA's), named with
-    `rank_R_` so that they are this rank's (`owned_by`): checked, listed and uploaded with DeepSpeed's.
-
-    Every node's first local rank (`local_rank` 0) tends its own disk: without a shared filesystem the
-    other nodes' tags are not on rank 0's disk.
-    """
-    tag = tag_for(step)
-    tag_dir = ckpt_dir / tag
-    if local_rank == 0 and tag_dir.exists():
-        # A leftover of a run killed mid-save: never mix old and new files. On a shared disk every node
-        # removes it; whichever comes second finds (part of) it gone.
-        shutil.rmtree(tag_dir, ignore_errors=True)
-    if rank == 0 and store is not None:
-        store.delete_dir(tag)  # likewise remotely (COMPLETE.json goes first with the folder)
-    dist.barrier()
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, save_latest=False)
-    # `extra` describes the whole stage (the data stream's deal), the same on every rank: written once.
-    torch.save({"rng": rng_state(), "extra": (extra or {}) if rank == 0 else {}}, tag_dir / f"rank_{rank}.pt")
-    if write_more is not None:
-        write_more(tag_dir)
-    dist.barrier()  # every rank's files are on disk (its own node's disk, without a shared filesystem)
-    # Each rank describes (and uploads) the files it wrote; rank 0 records them all.
-    mine = sorted(
-        p for p in tag_dir.iterdir() if p.is_file() and owned_by(p.name, rank) and p.name != COMPLETE
-    )
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in mine}
-    if store is not None:
-        for p in mine:
-            store.upload(p, f"{tag}/{p.name}")
-    parts: list | None = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(files, parts, dst=0, group=group)
-    box = [None]
-    if rank == 0:
-        record = {
-            "step": step,
-            "world_size": dist.get_world_size(),
-            **(meta or {}),
-            "files": {k: v for part in parts for k, v in sorted(part.items())},
-        }
-        box[0] = text = json.dumps(record, indent=1)
-        atomic.write_text(tag_dir / COMPLETE, text)
-        atomic.write_text(ckpt_dir / LATEST, tag)
-        if store is not None:
-            store.write_text(f"{tag}/{COMPLETE}", text)  # after every rank's upload: the tag is complete
-            store.write_text(LATEST, tag)
-            for old in stale_tags(store.list_dirs(), tag, keep_last):
-                store.delete_dir(old)
-    dist.broadcast_object_list(box, src=0, group=group)
-    if local_rank == 0 and rank != 0 and not (tag_dir / COMPLETE).exists():
-        # A node whose disk rank 0 does not share: its ranks' part of the tag is complete too (rank 0 wrote
-        # its copy before the broadcast, so on a shared disk this finds it and writes nothing).
-        atomic.write_text(tag_dir / COMPLETE, box[0])
-        atomic.write_text(ckpt_dir / LATEST, tag)
-    dist.barrier()  # the new tag is complete: older ones may go, on every node's disk
-    if local_rank == 0:
-        _prune_local(ckpt_dir, tag, keep_last)
-    return tag_dir
 
 
 def _record(tag_dir: Path) -> dict | None:
@@ -243,7 +159,7 @@ def verify(tag_dir: Path, rank: int, world_size: int, local_rank: int = 0) -> st
                 else ""
             )
     for name in mine:
-        if _sha256(tag_dir / name) != record["files"][name]["sha256"]:
+        if file_sha256(tag_dir / name) != record["files"][name]["sha256"]:
             return f"{name} does not match its sha256 (corrupted)"
     return None
 

@@ -31,6 +31,7 @@ import json
 import logging
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -204,13 +205,23 @@ class WeightEma:
 
     def save(self, tag_dir: Path) -> Path:
         """Write this rank's fragments into a checkpoint tag (atomically)."""
-        path = tag_dir / ema_file(self.rank)
-        tensors = {f.name: e.detach().cpu().contiguous() for f, e in zip(self.fragments, self.ema)}
+        return self.snapshot()(tag_dir)
+
+    def snapshot(self) -> Callable[[Path], Path]:
+        """A copy of this rank's fragments in host memory now, and the writer of that copy into a tag: an
+        asynchronous save writes it later, while the optimizer steps (and this EMA moves) on."""
+        tensors = {f.name: e.detach().to("cpu", copy=True) for f, e in zip(self.fragments, self.ema)}
         ranges = {f.name: [f.start, f.stop, f.numel] for f in self.fragments}
         header = {"ranges": json.dumps(ranges), "decay": repr(self.decay), "world_size": str(self.world_size)}
-        with atomic.writing(path) as tmp:
-            save_file(tensors, str(tmp), metadata=header)
-        return path
+        name = ema_file(self.rank)
+
+        def write(tag_dir: Path) -> Path:
+            path = tag_dir / name
+            with atomic.writing(path) as tmp:
+                save_file(tensors, str(tmp), metadata=header)
+            return path
+
+        return write
 
     @torch.no_grad()
     def load(self, tag_dir: Path) -> bool:

@@ -45,6 +45,7 @@ from pipeline.train import checkpoint
 from pipeline.train.ema import WeightEma
 from pipeline.train.engine import build_engine, consolidated_state_dict, peak_lr
 from pipeline.train.export import export_weights
+from pipeline.train.saving import Checkpointer
 
 log = logging.getLogger(__name__)
 STOP_FILE = "STOP"
@@ -337,20 +338,25 @@ def train(
         "config_grad_accum": config_accum,
     }
 
+    saver = Checkpointer(
+        engine,
+        ckpt_dir,
+        ctx.rank,
+        cfg.checkpoint.keep_last,
+        local_rank=ctx.local_rank,
+        store=store,
+        group=ctx.control_group,
+        asynchronous=cfg.checkpoint.asynchronous,
+    )
+
     def save(step: int) -> Path:
+        """The stall: until every rank holds its copy of the state (the rest runs beside the next steps)."""
         t = time.perf_counter()
-        path = checkpoint.save(
-            engine,
-            ckpt_dir,
+        path = saver.save(
             step,
-            cfg.checkpoint.keep_last,
-            ctx.rank,
             {"step": step, "data": deal.to_dict()},
-            group=ctx.control_group,
-            store=store,
-            local_rank=ctx.local_rank,
-            meta=meta,
-            write_more=None if ema is None else ema.save,
+            meta,
+            more=None if ema is None else ema.snapshot,
         )
         ckpt_seconds[0] += time.perf_counter() - t
         return path
@@ -463,6 +469,13 @@ def train(
                             values["perf/mfu"] = estimate_mfu(model_flops, per_device, peak)
                             hardware_flops = (3 + recompute) * flops_img
                             values["perf/hfu"] = estimate_mfu(hardware_flops, per_device, peak)
+                    if ckpt_seconds[
+                        0
+                    ]:  # the step's wait for a save: its host copy (asynchronous) or all of it
+                        values["checkpoint/stall_s"] = ckpt_seconds[0]
+                    if saver.completed:  # from a save's start until its tag was complete, on this rank
+                        values["checkpoint/save_s"] = saver.completed[-1][1]
+                        saver.completed.clear()
                     tracker.log_metrics(values, step=done)
                     t_log, steps_since_log, data_wait, ckpt_seconds[0] = now, 0, 0.0, 0.0
                     if ctx.is_main and progress_due(done, cfg.optim.steps, last_printed, now - t_print):
@@ -477,6 +490,7 @@ def train(
                     interrupted = not checkpoint.all_agree(not stop.requested, ctx.control_group)
                 if interrupted or done == cfg.debug.stop_at_step:
                     save(done)
+                    saver.wait()  # the process may end next: the checkpoint complete first
                     tracker.status = "KILLED"
                     stopped_early = True
                     if ctx.is_main:
@@ -536,6 +550,7 @@ def train(
                     if failure is not None:
                         raise failure
                     raise RuntimeError(f"rank {ctx.rank}: rank 0 failed to write the export; see its log")
+            saver.wait()  # the final checkpoint, written while the export was
             tracker.set_tags({"checkpoint": str(final_dir)})
         result = StageResult(
             cfg.optim.steps, last_loss, str(final_dir), tracker.run_id, export_path, stopped_early, losses
