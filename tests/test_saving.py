@@ -61,7 +61,9 @@ def test_a_save_runs_beside_training_and_only_a_complete_one_is_resumed(s3, tmp_
         assert seen["complete_failed"] == {"local": False, "stored": False}
         assert seen["latest"] == ["step_00000001", "step_00000001"]
         assert seen["restored"] == [1, {"step": 1}]
-        assert seen["restored_is_step_1"] is (True if rank == 0 else None)  # the consolidated weights: rank 0's
+        assert seen["restored_is_step_1"] is (
+            True if rank == 0 else None
+        )  # the consolidated weights: rank 0's
 
     out, uri = tmp_path / "crash", s3("crash")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]

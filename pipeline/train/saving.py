@@ -71,7 +71,9 @@ def host_copy(obj):
     if isinstance(obj, tuple):
         items = [host_copy(v) for v in obj]
         if all(a is b for a, b in zip(items, obj)):
-            return obj  # immutable and holds no tensor: itself (a torch.Size stays one: zero_to_fp32 needs it)
+            return (
+                obj  # immutable and holds no tensor: itself (a torch.Size stays one: zero_to_fp32 needs it)
+            )
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     return obj
 
