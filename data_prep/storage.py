@@ -27,6 +27,7 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -351,6 +352,19 @@ class Store:
         with atomic.writing(local) as tmp:
             self._copy_to_local(rel, tmp)
         return local
+
+    def download_files(self, rel: str, names: list[str], local: Path, workers: int = 8) -> None:
+        """Copy the files `names` of the folder `rel` into the folder `local`, `workers` at a time, each
+        atomically (whole or absent); files of `local` not named stay as they are."""
+        local.mkdir(parents=True, exist_ok=True)
+
+        def one(name: str) -> None:
+            with atomic.writing(local / name) as tmp:
+                self._copy_to_local(f"{rel}/{name}" if rel else name, tmp)
+
+        with ThreadPoolExecutor(max(1, min(workers, len(names)))) as pool:
+            for future in [pool.submit(one, n) for n in names]:
+                future.result()
 
     def _copy_to_local(self, rel: str, local: Path) -> None:
         pafs.copy_files(

@@ -5,6 +5,7 @@ own node's checkpoints at the same paths, as on a GPU cluster with node-local NV
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -130,6 +131,20 @@ def test_a_stage_saved_by_two_nodes_goes_on_on_one_and_back_on_two(tmp_path, smo
     records = [json.loads((d / "job/checkpoints/step_00000008/COMPLETE.json").read_text()) for d in disks]
     for record in records:
         assert (record["world_size"], record["grad_accum"], record["global_batch"]) == (2, 1, 32)
+    # Both nodes replaced by fresh ones (no checkpoints on their disks): at the world size that saved step 8
+    # each node fetches its own rank's files and the small model states, not the whole tag.
+    for d in disks:
+        shutil.rmtree(d / "job/checkpoints")
+    fresh = nodes(root, disks, "tests/scripts/resize_nodes.py", *args)
+    files = records[0]["files"]
+    whole = sum(f["bytes"] for f in files.values())
+    for rank, node_log in enumerate(fresh):
+        own = sum(f["bytes"] for n, f in files.items() if f"rank_{rank}_" in n or n == f"rank_{rank}.pt")
+        fetched = re.search(
+            r"fetched checkpoint step_00000008 from \S+ for this node's ranks: (\d+) of its (\d+)", node_log
+        )
+        assert fetched and int(fetched.group(2)) == whole, node_log[-3000:]
+        assert own <= int(fetched.group(1)) <= 1.5 * own < whole, (rank, int(fetched.group(1)), own, whole)
     from mlflow.tracking import MlflowClient
 
     from pipeline.tracking import RUN_ID_FILE, read_run_id

@@ -35,6 +35,41 @@ def test_store_round_trips_files_and_folders_on_s3(s3, tmp_path):
 
 
 @pytest.mark.unit
+def test_a_node_fetches_what_its_ranks_read_and_keeps_what_it_holds(s3, tmp_path):
+    """checkpoint.fetch at the world size that saved the tag: ranks 2 and 3 of 4 get their own ZeRO
+    partitions, RNG states and EMA shares and the model states, not ranks 0-1's; a file already held with
+    the right bytes is not fetched again, a damaged one is; on another world size, the whole tag."""
+    import hashlib
+
+    from pipeline.train.checkpoint import COMPLETE, fetch, files_read
+
+    store = Store(s3("fetch"))
+    names = [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(4)]
+    names += [f"rank_{r}.pt" for r in range(4)] + [f"ema_rank_{r}_fp32.safetensors" for r in range(4)]
+    names += ["mp_rank_00_model_states.pt"]
+    blobs = {n: os.urandom(1000 + 10 * i) for i, n in enumerate(names)}
+    for n, data in blobs.items():
+        store.write_bytes(f"step_00000005/{n}", data)
+    files = {n: {"bytes": len(d), "sha256": hashlib.sha256(d).hexdigest()} for n, d in blobs.items()}
+    record = {"step": 5, "world_size": 4, "files": files}
+    store.write_text(f"step_00000005/{COMPLETE}", json.dumps(record))
+    node = sorted(n for n in names if "rank_2" in n or "rank_3" in n or n.startswith("mp_"))
+    assert sorted(files_read(record, [2, 3], 4)) == node
+    assert sorted(files_read(record, [2, 3], 2)) == sorted(names)  # resharded: every file
+
+    tag = tmp_path / "ckpt" / "step_00000005"
+    tag.mkdir(parents=True)
+    (tag / "rank_2.pt").write_bytes(blobs["rank_2.pt"])  # held already
+    (tag / "rank_3.pt").write_bytes(b"x" * files["rank_3.pt"]["bytes"])  # the right size, damaged
+    fetched, whole = fetch(store, tag, [2, 3], 4)
+    assert whole == sum(len(d) for d in blobs.values())
+    assert fetched == sum(len(blobs[n]) for n in node if n != "rank_2.pt")
+    assert sorted(p.name for p in tag.iterdir()) == sorted([*node, COMPLETE])
+    assert all((tag / n).read_bytes() == blobs[n] for n in node)
+    assert json.loads((tag / COMPLETE).read_text()) == record
+
+
+@pytest.mark.unit
 def test_uri_helpers_keep_the_query_and_name_unknown_schemes():
     assert (
         child("s3://b/p?endpoint_override=h:1", "pretrain", "export")

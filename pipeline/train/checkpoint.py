@@ -23,9 +23,10 @@ ZeRO 0-2 read rank 0's model states on every rank, which only a shared disk or `
 
 With a remote store (`checkpoint.uri`: s3://, gs://, ...), each rank uploads the files it wrote, and
 rank 0 uploads COMPLETE.json and then `latest` once every rank has: a remote tag without
-COMPLETE.json is a save cut short. Resume takes remote tags into the same walk, downloading one onto
-each node (its first local rank) when the local copy is missing or broken, so a run resumes on
-machines that never saw its earlier steps.
+COMPLETE.json is a save cut short. Resume takes remote tags into the same walk: where a node's copy
+is missing or broken, its first local rank fetches what the node's ranks read (`fetch`: at the world size
+that saved it, their own files and the model states, several at once; at another, the whole tag), so a
+run resumes on machines that never saw its earlier steps.
 
 Another number of ranks than saved a tag (a node lost, more bought, an elastic stage) loads it resharded:
 every node fetches the whole tag, its first local rank converts it once to DeepSpeed's universal
@@ -51,6 +52,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from data_prep import atomic
 from data_prep.storage import Store
 from data_prep.tario import file_sha256
 
@@ -59,6 +61,7 @@ log = logging.getLogger(__name__)
 COMPLETE = "COMPLETE.json"
 LATEST = "latest"
 UNIVERSAL = "universal"
+DOWNLOADS = 8  # files of a tag fetched at once by a node
 
 
 def tag_for(step: int) -> str:
@@ -125,6 +128,41 @@ def _record(tag_dir: Path) -> dict | None:
         return None
 
 
+def files_read(record: dict, ranks: list[int], world_size: int) -> list[str]:
+    """The files of a tag (its COMPLETE.json `record`) that `ranks` read when they resume on `world_size`
+    ranks: at the world size that saved it, each its own (ZeRO partition, RNG state, EMA share) and the
+    model states; at another, every file (the universal conversion reads them all)."""
+    if record["world_size"] != world_size:
+        return list(record["files"])
+    own = tuple(f"rank_{r}_" for r in ranks)
+    states = {f"rank_{r}.pt" for r in ranks}
+    return [n for n in record["files"] if n.startswith("mp_rank_") or n in states or any(o in n for o in own)]
+
+
+def fetch(store: Store, tag_dir: Path, ranks: list[int], world_size: int) -> tuple[int, int]:
+    """Download from `store` what this node's `ranks` read of the tag (`files_read`), several files at
+    once, leaving the files already here that match COMPLETE.json; COMPLETE.json last (a fetch cut short
+    is a tag without it, or one whose files do not match it). Returns (bytes fetched, bytes of the tag)."""
+    tag = tag_dir.name
+    record = json.loads(store.read_text(f"{tag}/{COMPLETE}"))
+    files = record["files"]
+    wanted = files_read(record, ranks, world_size)
+    (tag_dir / COMPLETE).unlink(missing_ok=True)
+
+    def held(name: str) -> bool:
+        path = tag_dir / name
+        return (
+            path.is_file()
+            and path.stat().st_size == files[name]["bytes"]
+            and file_sha256(path) == files[name]["sha256"]
+        )
+
+    missing = [n for n in wanted if not held(n)]
+    store.download_files(tag, missing, tag_dir, workers=DOWNLOADS)
+    atomic.write_text(tag_dir / COMPLETE, json.dumps(record, indent=1))
+    return sum(files[n]["bytes"] for n in missing), sum(f["bytes"] for f in files.values())
+
+
 def verify(tag_dir: Path, rank: int, world_size: int, local_rank: int = 0) -> str | None:
     """Why this checkpoint cannot be loaded by `rank`, or None if it can.
 
@@ -144,11 +182,7 @@ def verify(tag_dir: Path, rank: int, world_size: int, local_rank: int = 0) -> st
     if record["world_size"] != world_size:
         mine = list(record["files"]) if local_rank == 0 else []
     else:
-        mine = [
-            n
-            for n in record["files"]
-            if f"rank_{rank}_" in n or n == f"rank_{rank}.pt" or n.startswith("mp_rank_")
-        ]
+        mine = files_read(record, [rank], world_size)
     for name in mine:
         meta, path = record["files"][name], tag_dir / name
         if not path.is_file() or path.stat().st_size != meta["bytes"]:
@@ -332,13 +366,17 @@ def resume(
             # after a restart a node may hold ranks whose files another node wrote.
             node = rank - local_rank
             seen: list = [None] * dist.get_world_size()
-            dist.all_gather_object(seen, (node, problem), group=group)
-            if local_rank == 0 and any(p for n, p in seen if n == node):
-                if tag_dir.exists():
-                    shutil.rmtree(tag_dir, ignore_errors=True)
-                if not tag_dir.exists():
-                    log.info("rank %d: downloading checkpoint %s from %s", rank, tag_dir.name, store)
-                    store.download_dir(tag_dir.name, tag_dir)
+            dist.all_gather_object(seen, (node, rank, problem), group=group)
+            if local_rank == 0 and any(p for n, _, p in seen if n == node):
+                fetched, whole = fetch(store, tag_dir, [r for n, r, _ in seen if n == node], world_size)
+                log.info(
+                    "rank %d: fetched checkpoint %s from %s for this node's ranks: %d of its %d bytes",
+                    rank,
+                    tag_dir.name,
+                    store.describe(),
+                    fetched,
+                    whole,
+                )
             dist.barrier(group=group)
             problem = verify(tag_dir, rank, world_size, local_rank)
         if not all_agree(problem is None, group):
