@@ -240,6 +240,51 @@ CLAIMS = [
     ),
 ]
 
+CLAIMS += [
+    (
+        doc,
+        r"held the step (\d\.\d+) s, against (\d+\.\d) s for the same save done synchronously, so a stage saving every 100\s+steps of (\d\.\d+) s spends (\d\.\d+)% of its time held",
+        [
+            result("multinode.json", "median_async_stall_s"),
+            result("multinode.json", "median_save_s"),
+            result("multinode.json", "median_step_s"),
+            derived(
+                "multinode.json: stall_fraction.value in %",
+                lambda: 100 * result("multinode.json", "stall_fraction.value")(),
+            ),
+        ],
+    )
+    for doc in ["docs/scale.md"]
+] + [
+    (
+        "README.md",
+        r"was held (\d\.\d+) s per save\s+against (\d+\.\d) s saving synchronously, (\d\.\d+)% of a stage",
+        [
+            result("multinode.json", "median_async_stall_s"),
+            result("multinode.json", "median_save_s"),
+            derived(
+                "multinode.json: stall_fraction.value in %",
+                lambda: 100 * result("multinode.json", "stall_fraction.value")(),
+            ),
+        ],
+    ),
+    (
+        "docs/scale.md",
+        r"goal 1%; (\d+\.\d)% synchronously\)\. On this 2-core machine the\s+background work also slows the steps it overlaps, by (\d+\.\d) s in all \(4 steps until the save was\s+complete\): (\d\.\d)% with it",
+        [
+            derived(
+                "multinode.json: sync_stall_fraction in %",
+                lambda: 100 * result("multinode.json", "sync_stall_fraction")(),
+            ),
+            result("multinode.json", "median_contention_s"),
+            derived(
+                "multinode.json: stall_fraction_with_contention in %",
+                lambda: 100 * result("multinode.json", "stall_fraction_with_contention")(),
+            ),
+        ],
+    ),
+]
+
 # (document, sentence quoting an experiment's result, the document whose table reports it)
 QUOTES = [
     ("README.md", r"\(500 steps:\s+(\d\.\d+ ± \d\.\d+) against (\d\.\d+ ± \d\.\d+)\)", "docs/pretraining.md"),
