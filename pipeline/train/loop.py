@@ -1,7 +1,7 @@
 """The only training loop. Objectives, models and launchers plug into it; it runs on every rank.
 
-Sections in order: distributed set-up, model and objective, engine, resume, input, tracking, the
-loop (step, log, checkpoint, stop requests), final checkpoint and export.
+`Trainer` runs a stage on each rank in named steps: set-up (distributed start, model, objective, engine),
+resume, step, log, save, finish (final checkpoint and export); `train(cfg)` is `Trainer(cfg).run()`.
 
 A step makes no host sync: the loss is read, metrics logged and stop requests agreed only every
 `tracking.log_every` steps (tests/test_host_sync.py counts every tensor-to-host read of a run).
@@ -276,286 +276,319 @@ def train(
 ) -> StageResult:
     """This rank's part of a training stage. `report(metrics, pointer=None)`, from the launcher (Ray Train), is
     called once at the end on every rank; on rank 0 `pointer` says where the export is."""
-    # -- distributed set-up, seeds, RUN_DIR/config.yaml
-    stage = open_stage(cfg)
-    cfg, ctx, run_path = stage.cfg, stage.ctx, stage.run_path
-    ckpt_dir = run_path / "checkpoints"
+    return Trainer(cfg, report, parent_run_id).run()
 
-    # -- model and objective
-    info = stage.dataset("train")  # read by rank 0, handed to the others
-    objective = build_objective(cfg.objective, cfg.data.mean, cfg.data.std)
-    kwargs = model_kwargs(cfg, output_classes(cfg, info))
-    model = create_model(cfg.model.name, **kwargs)
-    if cfg.model.init_from:
-        init_weights(model, cfg.model.init_from, cfg.model.init_head, cfg.model.name)
-    flops_img = _flops_per_image(model)
-    num_params = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them
 
-    # -- engine, then resume (weights, optimizer, scheduler, RNG, stream position)
-    store = Store(cfg.checkpoint.uri) if cfg.checkpoint.uri else None  # object storage: s3://, gs://, ...
-    saved = checkpoint.newest_record(ckpt_dir, store, ctx.rank, ctx.control_group)
-    config_accum = cfg.deepspeed.grad_accum
-    cfg, target = keep_global_batch(cfg, saved, ctx.world_size)  # on another world size: grad_accum adjusts
-    engine, _, lr_scheduler = build_engine(model, cfg, ctx)
-    objective.prepare(engine.module, ctx.device)
-    restored = checkpoint.resume(
-        engine,
-        ckpt_dir,
-        ctx.rank,
-        ctx.world_size,
-        ctx.control_group,
-        load_optimizer=cfg.debug.resume_optimizer,
-        store=store,
-        local_rank=ctx.local_rank,
-        seed=cfg.seed,
-    )
-    start = restored.step if restored else 0
-    ema = _weight_ema(engine, cfg, ctx, ckpt_dir, restored)
-    accum = cfg.deepspeed.grad_accum
-    global_batch = cfg.data.batch_size * accum * ctx.world_size
-    if restored is not None and cfg.debug.resume_optimizer:
-        lr_rescale(lr_scheduler, saved, global_batch)  # the restored rate, where the global batch moved
-    lr = peak_lr(cfg, ctx.world_size)
-    # Which samples each rank and loader worker reads: a resume on another shape re-deals the rest of the epoch.
-    shape = (ctx.world_size, max(1, cfg.data.num_workers), cfg.data.batch_size, accum)
-    deal = Deal(*shape)
-    if restored is not None:
-        deal = continue_deal(
-            saved_deal(restored, saved, shape, info),
-            start,
-            shape,
-            info,
-            cfg.seed,
-            resampled=cfg.data.resampled,
+@dataclass
+class _Interval:
+    """What the log step reports about the steps since the last one (host-side counters only)."""
+
+    start: float = field(default_factory=time.perf_counter)
+    steps: int = 0
+    data_wait: float = 0.0  # seconds getting batches
+    saving: float = 0.0  # seconds the steps were held by checkpoint saves: images/s leaves them out
+
+
+class Trainer:
+    """One training stage on this rank, in named steps (the shape of torchtitan's Trainer):
+
+        setup()    distributed start, dataset, model, objective, engine (sized by the checkpoint it resumes)
+        resume()   weights, optimizer, RNG, weight EMA and the data stream's deal from the newest checkpoint
+        step()     one optimizer step, no host sync
+        log()      every tracking.log_every steps: the only host reads, metrics, progress
+        save()     a checkpoint (the step waits for the host copy; the rest runs beside training)
+        finish()   the final checkpoint and the consolidated export; the launcher's report
+
+    `run()` calls them in that order; a stop request (SIGTERM, the STOP file) saves and ends the loop at the
+    next log step."""
+
+    def __init__(
+        self, cfg: StageConfig, report: Callable[..., None] | None = None, parent_run_id: str | None = None
+    ) -> None:
+        self.report, self.parent_run_id = report, parent_run_id
+        self.setup(cfg)
+        self.resume()
+
+    # -- set-up: distributed start, seeds, RUN_DIR/config.yaml; model, objective, engine
+    def setup(self, cfg: StageConfig) -> None:
+        self.stage = stage = open_stage(cfg)
+        cfg, ctx = stage.cfg, stage.ctx
+        self.ctx, self.run_path = ctx, stage.run_path
+        self.ckpt_dir = self.run_path / "checkpoints"
+        self.info = stage.dataset("train")  # read by rank 0, handed to the others
+        self.objective = build_objective(cfg.objective, cfg.data.mean, cfg.data.std)
+        self.model_kwargs = model_kwargs(cfg, output_classes(cfg, self.info))
+        model = create_model(cfg.model.name, **self.model_kwargs)
+        if cfg.model.init_from:
+            init_weights(model, cfg.model.init_from, cfg.model.init_head, cfg.model.name)
+        self.model = model
+        self.flops_img = _flops_per_image(model)
+        self.num_params = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them
+        # The engine is sized by the checkpoint it will resume: on another world size grad_accum adjusts.
+        self.store = Store(cfg.checkpoint.uri) if cfg.checkpoint.uri else None  # s3://, gs://, ...
+        self.saved = checkpoint.newest_record(self.ckpt_dir, self.store, ctx.rank, ctx.control_group)
+        config_accum = cfg.deepspeed.grad_accum
+        cfg, target = keep_global_batch(cfg, self.saved, ctx.world_size)
+        self.cfg = cfg
+        self.engine, _, self.lr_scheduler = build_engine(model, cfg, ctx)
+        self.objective.prepare(self.engine.module, ctx.device)
+        self.accum = cfg.deepspeed.grad_accum
+        self.global_batch = cfg.data.batch_size * self.accum * ctx.world_size
+        self.meta = {  # into every checkpoint's COMPLETE.json: a resume on another world size keeps the batch
+            "micro_batch": cfg.data.batch_size,
+            "grad_accum": self.accum,
+            "global_batch": self.global_batch,
+            "target_global_batch": target,
+            "config_grad_accum": config_accum,
+        }
+
+    # -- resume: weights, optimizer, scheduler, RNG, weight EMA, the stream's position
+    def resume(self) -> None:
+        cfg, ctx = self.cfg, self.ctx
+        self.restored = restored = checkpoint.resume(
+            self.engine,
+            self.ckpt_dir,
+            ctx.rank,
+            ctx.world_size,
+            ctx.control_group,
+            load_optimizer=cfg.debug.resume_optimizer,
+            store=self.store,
+            local_rank=ctx.local_rank,
+            seed=cfg.seed,
         )
-
-    ckpt_seconds = [0.0]  # spent saving since the last log step: images/s leaves it out
-    meta = {
-        "micro_batch": cfg.data.batch_size,
-        "grad_accum": accum,
-        "global_batch": global_batch,
-        "target_global_batch": target,
-        "config_grad_accum": config_accum,
-    }
-
-    saver = Checkpointer(
-        engine,
-        ckpt_dir,
-        ctx.rank,
-        cfg.checkpoint.keep_last,
-        local_rank=ctx.local_rank,
-        store=store,
-        group=ctx.control_group,
-        asynchronous=cfg.checkpoint.asynchronous,
-    )
-
-    def save(step: int) -> Path:
-        """The stall: until every rank holds its copy of the state (the rest runs beside the next steps)."""
-        t = time.perf_counter()
-        path = saver.save(
-            step,
-            {"step": step, "data": deal.to_dict()},
-            meta,
-            more=None if ema is None else ema.snapshot,
+        self.start = restored.step if restored else 0
+        self.ema = _weight_ema(self.engine, cfg, ctx, self.ckpt_dir, restored)
+        if restored is not None and cfg.debug.resume_optimizer:
+            lr_rescale(self.lr_scheduler, self.saved, self.global_batch)  # where the global batch moved
+        self.lr = peak_lr(cfg, ctx.world_size)
+        # Which samples each rank and loader worker reads: a resume on another shape re-deals the epoch's rest.
+        shape = (ctx.world_size, max(1, cfg.data.num_workers), cfg.data.batch_size, self.accum)
+        self.deal = Deal(*shape)
+        if restored is not None:
+            self.deal = continue_deal(
+                saved_deal(restored, self.saved, shape, self.info),
+                self.start,
+                shape,
+                self.info,
+                cfg.seed,
+                resampled=cfg.data.resampled,
+            )
+        self.saver = Checkpointer(
+            self.engine,
+            self.ckpt_dir,
+            ctx.rank,
+            cfg.checkpoint.keep_last,
+            local_rank=ctx.local_rank,
+            store=self.store,
+            group=ctx.control_group,
+            asynchronous=cfg.checkpoint.asynchronous,
         )
-        ckpt_seconds[0] += time.perf_counter() - t
-        return path
 
     # -- input
-    loader = make_train_loader(
-        info,
-        cfg.data,
-        rank=ctx.rank,
-        world_size=ctx.world_size,
-        img_size=cfg.model.img_size,
-        seed=cfg.seed,
-        start_batch=deal.rank_batches(start),
-        masks=cfg.objective.name == "segmentation",
-        boxes=model.num_queries if cfg.objective.name == "detection" else 0,  # at most one object per query
-        deal=deal,
-    )
+    def batches(self):
+        cfg = self.cfg
+        loader = make_train_loader(
+            self.info,
+            cfg.data,
+            rank=self.ctx.rank,
+            world_size=self.ctx.world_size,
+            img_size=cfg.model.img_size,
+            seed=cfg.seed,
+            start_batch=self.deal.rank_batches(self.start),
+            masks=cfg.objective.name == "segmentation",
+            boxes=self.model.num_queries
+            if cfg.objective.name == "detection"
+            else 0,  # one object a query at most
+            deal=self.deal,
+        )
+        batches = iter(loader)
+        self.to_device = batch_to_device(self.ctx.device, cfg.data, cfg.model.img_size)
+        if cfg.data.decode == "cuda":  # a thread decodes batch N+1 on a side stream while step N runs
+            batches, self.to_device = prefetch(batches, self.to_device, self.ctx.device)
+        return batches
 
-    # -- tracking (rank 0 only): a resumed stage continues its MLflow run
-    peak = _peak_flops(cfg, ctx.device)
-    # Training = 3 x forward (model FLOPs, MFU); activation checkpointing runs the forward of the blocks it
-    # checkpoints again (hardware FLOPs; the blocks hold nearly all of them): the share it selects.
-    recompute = checkpointed_fraction(engine.module)
-    derived = {
-        "derived.global_batch": global_batch,
-        "derived.lr": lr,
-        "derived.num_params": num_params,
-        "derived.flops_per_image": flops_img,
-        "derived.precision": cfg.deepspeed.precision,
-        "derived.peak_tflops_per_device": None if peak is None else peak / 1e12,
-    }
-    to_device = batch_to_device(ctx.device, cfg.data, cfg.model.img_size)
-    # A stop request belongs to the run it stopped: the job driver clears both before the stage starts.
-    stop = StopRequest(run_path / STOP_FILE, store if ctx.is_main else None)
-    tags = {"objective": cfg.objective.name}
-    with stage.tracking(tags, parent_run_id, params=derived, resumed=restored is not None) as tracker:
-        if ctx.is_main:
-            tracker.set_tags({"checkpoint_dir": str(ckpt_dir)})
+    # -- step: no host sync
+    def step(self, step: int, batches) -> tuple:
+        cfg = self.cfg
+        _maybe_kill(cfg, self.ctx.rank, step + 1, self.run_path)
+        if cfg.debug.step_delay_s:
+            time.sleep(cfg.debug.step_delay_s)
+        out = train_step(
+            self.engine, self.objective, batches, self.to_device, cfg.seed, step, self.accum, self.ctx.rank
+        )
+        if self.ema is not None:
+            self.ema.update()
+        self.interval.steps += 1
+        self.interval.data_wait += out[3]
+        return out
+
+    # -- log: every log_every steps, the only host syncs
+    def log(self, done: int, loss, metrics: dict, batch: dict, batches) -> None:
+        """The loss and skipped samples summed over ranks in one call, the metrics read; rank 0 logs them
+        and prints progress."""
+        cfg, ctx, span = self.cfg, self.ctx, self.interval
+        packed = torch.stack(
+            [loss.detach().float(), torch.tensor(float(batch["skipped"]), device=ctx.device)]
+        )
+        dist.all_reduce(packed)
+        self.last_loss = packed[0].item() / ctx.world_size
+        self.losses.append(self.last_loss)
+        now = time.perf_counter()
+        training_s = max(now - span.start - span.saving, 1e-9)  # checkpoint saves left out
+        # decode cuda: GPU idle between batches (CUDA events, read after the sync above)
+        gpu_idle = batches.gpu_idle_seconds() if isinstance(batches, Prefetcher) else None
+        images_per_s = span.steps * self.global_batch / training_s
+        values = {
+            "train/loss": self.last_loss,  # mean over ranks
+            "train/lr": self.lr_scheduler.get_last_lr()[0],
+            "train/images_per_s": images_per_s,
+            "data/skipped_samples": packed[1].item(),
+            **({"data/epoch": float(batch["epoch"])} if "epoch" in batch else {}),  # rank 0's stream
+            # rank 0's time getting batches (loader wait, copy or GPU decode; decode cuda: the wait for the
+            # prefetch thread's decode), a fraction of the interval
+            "data/wait_fraction": min(1.0, span.data_wait / training_s),
+            **{f"train/{k}": v.item() for k, v in metrics.items()},
+        }
+        if gpu_idle is not None:  # the GPU's side of data/wait_fraction: idle between batches
+            values["data/gpu_idle_fraction"] = min(1.0, gpu_idle / training_s)
+        gnorm = self.engine.get_global_grad_norm()
+        if gnorm is not None:
+            values["train/grad_norm"] = float(gnorm)
+        if self.flops_img:
+            per_device = images_per_s / ctx.world_size
+            model_flops = 3 * self.flops_img  # training = 3x forward (flops_per_train_step)
+            values["perf/tflops_per_device"] = model_flops * per_device / 1e12
+            if self.peak:
+                values["perf/mfu"] = estimate_mfu(model_flops, per_device, self.peak)
+                hardware_flops = (3 + self.recompute) * self.flops_img
+                values["perf/hfu"] = estimate_mfu(hardware_flops, per_device, self.peak)
+        if span.saving:  # the steps' wait for saves: their host copies (asynchronous) or all of them
+            values["checkpoint/stall_s"] = span.saving
+        if self.saver.completed:  # from a save's start until its tag was complete, on this rank
+            values["checkpoint/save_s"] = self.saver.completed[-1][1]
+            self.saver.completed.clear()
+        self.tracker.log_metrics(values, step=done)
+        self.interval = _Interval(start=now)
+        if ctx.is_main and progress_due(done, cfg.optim.steps, self.last_printed, now - self.t_print):
+            self.last_printed, self.t_print = done, now
+            rate = (done - self.start) / (now - self.t0)
+            eta = (cfg.optim.steps - done) / max(rate, 1e-9)
             print(
-                f"[{cfg.name}] {cfg.model.name} {num_params / 1e6:.2f}M params | "
-                f"{cfg.objective.name} | world {ctx.world_size} | global batch {global_batch} | "
-                f"lr {lr:.2e} | ZeRO-{cfg.deepspeed.zero_stage} {cfg.deepspeed.precision} | "
-                f"steps {start}->{cfg.optim.steps}"
-                + (f" | weight EMA {cfg.optim.ema_decay:g}" if ema is not None else "")
-                + (f" (resumed from {restored.tag})" if restored else ""),
+                f"step {done}/{cfg.optim.steps} loss {self.last_loss:.4f} {rate:.2f} steps/s eta {eta:.0f}s",
                 flush=True,
             )
 
-        # -- the loop
-        batches = iter(loader)
-        if cfg.data.decode == "cuda":  # a thread decodes batch N+1 on a side stream while step N runs
-            batches, to_device = prefetch(batches, to_device, ctx.device)
-        losses: list[float] = []
-        last_loss = float("nan")
-        t0 = t_log = t_print = time.perf_counter()
-        steps_since_log, last_printed, data_wait = 0, None, 0.0
-        stopped_early = interrupted = False
-        try:
-            for step in range(start, cfg.optim.steps):
-                _maybe_kill(cfg, ctx.rank, step + 1, run_path)
-                if cfg.debug.step_delay_s:
-                    time.sleep(cfg.debug.step_delay_s)
-                loss, metrics, batch, waited = train_step(
-                    engine, objective, batches, to_device, cfg.seed, step, accum, ctx.rank
-                )
-                if ema is not None:
-                    ema.update()
-                done = step + 1
-                steps_since_log += 1
-                data_wait += waited
-                log_step = done % cfg.tracking.log_every == 0 or done == cfg.optim.steps
-                if log_step:
-                    # The only host syncs, every log_every steps: the loss and skipped samples summed over ranks
-                    # in one call, the metrics read, and the ranks agree on stop requests (a CPU flag).
-                    packed = torch.stack(
-                        [loss.detach().float(), torch.tensor(float(batch["skipped"]), device=ctx.device)]
-                    )
-                    dist.all_reduce(packed)
-                    last_loss = packed[0].item() / ctx.world_size
-                    losses.append(last_loss)
-                    now = time.perf_counter()
-                    elapsed = now - t_log
-                    training_s = max(elapsed - ckpt_seconds[0], 1e-9)  # checkpoint saves left out
-                    # decode cuda: GPU idle between batches (CUDA events, read after the sync above)
-                    gpu_idle = batches.gpu_idle_seconds() if isinstance(batches, Prefetcher) else None
-                    images_per_s = steps_since_log * global_batch / training_s
-                    values = {
-                        "train/loss": last_loss,  # mean over ranks
-                        "train/lr": lr_scheduler.get_last_lr()[0],
-                        "train/images_per_s": images_per_s,
-                        "data/skipped_samples": packed[1].item(),
-                        **(
-                            {"data/epoch": float(batch["epoch"])} if "epoch" in batch else {}
-                        ),  # rank 0's stream
-                        # rank 0's time getting batches (loader wait, copy or GPU decode; decode cuda: the wait for
-                        # the prefetch thread's decode), a fraction of the interval
-                        "data/wait_fraction": min(1.0, data_wait / training_s),
-                        **{f"train/{k}": v.item() for k, v in metrics.items()},
-                    }
-                    if gpu_idle is not None:  # the GPU's side of data/wait_fraction: idle between batches
-                        values["data/gpu_idle_fraction"] = min(1.0, gpu_idle / training_s)
-                    gnorm = engine.get_global_grad_norm()
-                    if gnorm is not None:
-                        values["train/grad_norm"] = float(gnorm)
-                    if flops_img:
-                        per_device = images_per_s / ctx.world_size
-                        model_flops = 3 * flops_img  # training = 3x forward (flops_per_train_step)
-                        values["perf/tflops_per_device"] = model_flops * per_device / 1e12
-                        if peak:
-                            values["perf/mfu"] = estimate_mfu(model_flops, per_device, peak)
-                            hardware_flops = (3 + recompute) * flops_img
-                            values["perf/hfu"] = estimate_mfu(hardware_flops, per_device, peak)
-                    if ckpt_seconds[
-                        0
-                    ]:  # the step's wait for a save: its host copy (asynchronous) or all of it
-                        values["checkpoint/stall_s"] = ckpt_seconds[0]
-                    if saver.completed:  # from a save's start until its tag was complete, on this rank
-                        values["checkpoint/save_s"] = saver.completed[-1][1]
-                        saver.completed.clear()
-                    tracker.log_metrics(values, step=done)
-                    t_log, steps_since_log, data_wait, ckpt_seconds[0] = now, 0, 0.0, 0.0
-                    if ctx.is_main and progress_due(done, cfg.optim.steps, last_printed, now - t_print):
-                        last_printed, t_print = done, now
-                        rate = (done - start) / (now - t0)
-                        eta = (cfg.optim.steps - done) / max(rate, 1e-9)
-                        print(
-                            f"step {done}/{cfg.optim.steps} loss {last_loss:.4f} {rate:.2f} steps/s eta {eta:.0f}s",
-                            flush=True,
-                        )
-                if log_step:  # a stop request waits for the next log step: no collective in between
-                    interrupted = not checkpoint.all_agree(not stop.requested, ctx.control_group)
-                if interrupted or done == cfg.debug.stop_at_step:
-                    save(done)
-                    saver.wait()  # the process may end next: the checkpoint complete first
-                    tracker.status = "KILLED"
-                    stopped_early = True
-                    if ctx.is_main:
-                        print(
-                            f"stopped at step {done}: checkpoint {ckpt_dir / checkpoint.tag_for(done)}",
-                            flush=True,
-                        )
-                    # A signal ends the process (torchrun, a scheduler); a STOP file ends the stage cleanly (Ray).
-                    if interrupted and not checkpoint.all_agree(not stop.signalled, ctx.control_group):
-                        stop.restore()
-                        _shutdown_loader(batches)
-                        raise SystemExit(128 + signal.SIGTERM)
-                    break
-                if (
-                    cfg.checkpoint.every_steps
-                    and done % cfg.checkpoint.every_steps == 0
-                    and done < cfg.optim.steps
-                ):
-                    save(done)
-        except BaseException:  # the prefetch thread and the loader's workers do not outlive a failed stage
-            _shutdown_loader(batches)
-            raise
-        stop.restore()
-        _shutdown_loader(batches)
+    # -- save
+    def save(self, step: int) -> Path:
+        """The stall: until every rank holds its copy of the state (the rest runs beside the next steps)."""
+        t = time.perf_counter()
+        more = None if self.ema is None else self.ema.snapshot
+        path = self.saver.save(step, {"step": step, "data": self.deal.to_dict()}, self.meta, more=more)
+        self.interval.saving += time.perf_counter() - t
+        return path
 
-        # -- final checkpoint and consolidated export
-        export_path = None
-        final_dir = ckpt_dir / checkpoint.tag_for(cfg.optim.steps)
-        if not stopped_early:
-            final_dir = save(cfg.optim.steps)
-            if cfg.checkpoint.export:
-                state = consolidated_state_dict(engine)  # a collective: every rank
-                ema_state = None if ema is None else ema.consolidated(ctx.device)  # likewise
-                failure = None
-                if ctx.is_main:
-                    try:
-                        export_path = str(
-                            export_weights(
-                                state,
-                                cfg.model.name,
-                                kwargs,
-                                run_path / "export",
-                                cfg.optim.steps,
-                                preprocessing=preprocessing_of(cfg),
-                                ema=ema_state,
-                                ema_decay=cfg.optim.ema_decay,
+    # -- the loop
+    def run(self) -> StageResult:
+        cfg, ctx = self.cfg, self.ctx
+        self.peak = _peak_flops(cfg, ctx.device)
+        # Training = 3 x forward (model FLOPs, MFU); activation checkpointing runs the forward of the blocks it
+        # checkpoints again (hardware FLOPs; the blocks hold nearly all of them): the share it selects.
+        self.recompute = checkpointed_fraction(self.engine.module)
+        derived = {
+            "derived.global_batch": self.global_batch,
+            "derived.lr": self.lr,
+            "derived.num_params": self.num_params,
+            "derived.flops_per_image": self.flops_img,
+            "derived.precision": cfg.deepspeed.precision,
+            "derived.peak_tflops_per_device": None if self.peak is None else self.peak / 1e12,
+        }
+        # A stop request belongs to the run it stopped: the job driver clears both before the stage starts.
+        stop = StopRequest(self.run_path / STOP_FILE, self.store if ctx.is_main else None)
+        tags = {"objective": cfg.objective.name}
+        resumed = self.restored is not None
+        with self.stage.tracking(tags, self.parent_run_id, params=derived, resumed=resumed) as tracker:
+            self.tracker = tracker
+            if ctx.is_main:
+                tracker.set_tags({"checkpoint_dir": str(self.ckpt_dir)})
+                self._print_start()
+            self.losses: list[float] = []
+            self.last_loss = float("nan")
+            self.t0 = self.t_print = time.perf_counter()
+            self.interval = _Interval(start=self.t0)
+            self.last_printed = None
+            stopped_early = interrupted = False
+            batches = self.batches()
+            try:
+                for step in range(self.start, cfg.optim.steps):
+                    loss, metrics, batch, _ = self.step(step, batches)
+                    done = step + 1
+                    if done % cfg.tracking.log_every == 0 or done == cfg.optim.steps:
+                        self.log(done, loss, metrics, batch, batches)
+                        # a stop request waits for the next log step: no collective in between (a CPU flag)
+                        interrupted = not checkpoint.all_agree(not stop.requested, ctx.control_group)
+                    if interrupted or done == cfg.debug.stop_at_step:
+                        self.save(done)
+                        self.saver.wait()  # the process may end next: the checkpoint complete first
+                        tracker.status = "KILLED"
+                        stopped_early = True
+                        if ctx.is_main:
+                            print(
+                                f"stopped at step {done}: checkpoint {self.ckpt_dir / checkpoint.tag_for(done)}",
+                                flush=True,
                             )
-                        )
-                        if store is not None:  # the next stage may run on other machines: it reads this copy
-                            for f in sorted((run_path / "export").iterdir()):
-                                store.upload(f, f"export/{f.name}")
-                            tracker.set_tags({"export_uri": child(cfg.checkpoint.uri, "export")})
-                        tracker.set_tags({"export": export_path})
-                    except Exception as exc:  # the other ranks must not wait for rank 0 forever
-                        failure = exc
-                if not checkpoint.all_agree(failure is None, ctx.control_group):
-                    if failure is not None:
-                        raise failure
-                    raise RuntimeError(f"rank {ctx.rank}: rank 0 failed to write the export; see its log")
-            saver.wait()  # the final checkpoint, written while the export was
+                        # A signal ends the process (torchrun, a scheduler); a STOP file ends the stage (Ray).
+                        if interrupted and not checkpoint.all_agree(not stop.signalled, ctx.control_group):
+                            stop.restore()
+                            _shutdown_loader(batches)
+                            raise SystemExit(128 + signal.SIGTERM)
+                        break
+                    every = cfg.checkpoint.every_steps
+                    if every and done % every == 0 and done < cfg.optim.steps:
+                        self.save(done)
+            except (
+                BaseException
+            ):  # the prefetch thread and the loader's workers do not outlive a failed stage
+                _shutdown_loader(batches)
+                raise
+            stop.restore()
+            _shutdown_loader(batches)
+            result = self.finish(stopped_early)
+        dist.barrier()
+        return result
+
+    def _print_start(self) -> None:
+        cfg, ctx, restored = self.cfg, self.ctx, self.restored
+        print(
+            f"[{cfg.name}] {cfg.model.name} {self.num_params / 1e6:.2f}M params | "
+            f"{cfg.objective.name} | world {ctx.world_size} | global batch {self.global_batch} | "
+            f"lr {self.lr:.2e} | ZeRO-{cfg.deepspeed.zero_stage} {cfg.deepspeed.precision} | "
+            f"steps {self.start}->{cfg.optim.steps}"
+            + (f" | weight EMA {cfg.optim.ema_decay:g}" if self.ema is not None else "")
+            + (f" (resumed from {restored.tag})" if restored else ""),
+            flush=True,
+        )
+
+    # -- finish: the final checkpoint, the consolidated export, the launcher's report
+    def finish(self, stopped_early: bool) -> StageResult:
+        cfg, ctx, store, tracker = self.cfg, self.ctx, self.store, self.tracker
+        export_path = None
+        final_dir = self.ckpt_dir / checkpoint.tag_for(cfg.optim.steps)
+        if not stopped_early:
+            final_dir = self.save(cfg.optim.steps)
+            if cfg.checkpoint.export:
+                export_path = self._export()
+            self.saver.wait()  # the final checkpoint, written while the export was
             tracker.set_tags({"checkpoint": str(final_dir)})
         result = StageResult(
-            cfg.optim.steps, last_loss, str(final_dir), tracker.run_id, export_path, stopped_early, losses
+            cfg.optim.steps,
+            self.last_loss,
+            str(final_dir),
+            tracker.run_id,
+            export_path,
+            stopped_early,
+            self.losses,
         )
-        if report is not None:  # every rank; rank 0 with where the export is (the launcher's checkpoint)
+        if self.report is not None:  # every rank; rank 0 with where the export is (the launcher's checkpoint)
             pointer = None
             if ctx.is_main and export_path:
                 pointer = {
@@ -564,11 +597,44 @@ def train(
                     "model": cfg.model.name,
                     "step": cfg.optim.steps,
                 }
-            report(
-                {"final_loss": last_loss, "steps": cfg.optim.steps, "stopped_early": stopped_early}, pointer
+            self.report(
+                {"final_loss": self.last_loss, "steps": cfg.optim.steps, "stopped_early": stopped_early},
+                pointer,
             )
-    dist.barrier()
-    return result
+        return result
+
+    def _export(self) -> str | None:
+        """The consolidated fp32 weights (and EMA) in RUN_DIR/export, and on the store: a collective."""
+        cfg, ctx, store, tracker = self.cfg, self.ctx, self.store, self.tracker
+        state = consolidated_state_dict(self.engine)  # every rank
+        ema_state = None if self.ema is None else self.ema.consolidated(ctx.device)  # likewise
+        export_path, failure = None, None
+        if ctx.is_main:
+            try:
+                export_path = str(
+                    export_weights(
+                        state,
+                        cfg.model.name,
+                        self.model_kwargs,
+                        self.run_path / "export",
+                        cfg.optim.steps,
+                        preprocessing=preprocessing_of(cfg),
+                        ema=ema_state,
+                        ema_decay=cfg.optim.ema_decay,
+                    )
+                )
+                if store is not None:  # the next stage may run on other machines: it reads this copy
+                    for f in sorted((self.run_path / "export").iterdir()):
+                        store.upload(f, f"export/{f.name}")
+                    tracker.set_tags({"export_uri": child(cfg.checkpoint.uri, "export")})
+                tracker.set_tags({"export": export_path})
+            except Exception as exc:  # the other ranks must not wait for rank 0 forever
+                failure = exc
+        if not checkpoint.all_agree(failure is None, ctx.control_group):
+            if failure is not None:
+                raise failure
+            raise RuntimeError(f"rank {ctx.rank}: rank 0 failed to write the export; see its log")
+        return export_path
 
 
 def _weight_ema(
