@@ -48,6 +48,8 @@ LAZY_IMPORTS_IN = {
     + _CONFIG_WITHOUT_TORCH,
     ("pipeline.config", "webdataset"): "expands a local shard pattern the way the loader does, to check the "
     "files exist before anything starts (webdataset imports torch); " + _CONFIG_WITHOUT_TORCH,
+    ("data_prep.verify", "data_prep.index"): "pyarrow, for naming a damaged shard's keys from the index: "
+    "only on that rare path, so the spawned per-shard workers of `vitpipe shard verify` stay light",
     (
         "cluster.submit",
         "cluster.preflight",
