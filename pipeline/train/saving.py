@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 
 from data_prep import atomic
 from data_prep.storage import Store
@@ -83,7 +84,8 @@ class HostSnapshot(TorchCheckpointEngine):
     `path`; nothing reaches the disk until `write()` (the background thread). Loading is Torch's."""
 
     def __init__(self, zipfile_serialization: bool = False) -> None:
-        super().__init__()
+        CheckpointEngine.__init__(self)  # not Torch's: it logs a line on rank 0 at every construction
+        self.name = "HostSnapshot"
         self.zipfile_serialization = zipfile_serialization  # the engine's own engine's (DeepSpeed's config)
         self.pending: list[tuple[str, object]] = []
 
