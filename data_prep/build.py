@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from data_prep.dataset_dir import DatasetDir
 from data_prep.executors import run_shards
-from data_prep.index import write_index
+from data_prep.index import GroupedWriter, write_index
 from data_prep.layout import (
     ERRORS,
     FORMAT_VERSION,
@@ -280,12 +280,14 @@ def _write_errors(
                 errs = read_sidecar(root, name, r.split, r.index)["errors"]
                 yield [(k, s, stage, reason, r.path) for k, s, stage, reason in errs]
 
-    with root.writing(ERRORS) as tmp, pq.ParquetWriter(tmp, schema) as writer:
+    with root.writing(ERRORS) as tmp, pq.ParquetWriter(tmp, schema) as parquet:
+        writer = GroupedWriter(parquet)  # 64k-row groups, not one per shard with a rejected input
         for batch in batches():
             for row in batch:
                 kind = _reason_kind(row[3])
                 counts[kind] = counts.get(kind, 0) + 1
-            columns = list(zip(*batch)) if batch else [[] for _ in schema]
-            writer.write_table(pa.table([list(c) for c in columns], schema=schema))
+            if batch:
+                writer.write(pa.table([list(c) for c in zip(*batch)], schema=schema))
+        writer.close()
     listing_log.unlink(missing_ok=True)
     return counts

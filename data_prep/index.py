@@ -1,6 +1,10 @@
 """index.parquet: its Arrow schema and its one writer (pyarrow, so shard workers never import this).
 
-The columns and their order are the layout's (`layout.INDEX_COLUMNS`); this adds their types.
+The columns and their order are the layout's (`layout.INDEX_COLUMNS`); this adds their types. Rows go in
+shard order, in row groups of `ROW_GROUP_ROWS` whatever the shard size: at JFT scale (300M rows in 100k
+shards) one group per shard made a footer of about 113 MB that every reader parsed (235 ms at 20k groups);
+64k-row groups make about 4,600 groups, and each group's `shard` statistics still narrow a lookup to the
+one or two groups that hold a shard (`read_shard_rows`).
 """
 
 from __future__ import annotations
@@ -35,15 +39,50 @@ def index_schema(multi_label: bool) -> pa.Schema:
     return pa.schema(fields)
 
 
-def write_index(out: DatasetDir, shard_rows: Iterable[dict[str, list]], multi_label: bool) -> None:
+ROW_GROUP_ROWS = 65_536
+
+
+class GroupedWriter:
+    """A ParquetWriter fed tables of any size (a shard's rows, a batch of errors) that writes row groups of
+    `rows` rows (the last one shorter): memory holds less than one group."""
+
+    def __init__(self, writer: pq.ParquetWriter, rows: int = ROW_GROUP_ROWS):
+        self.writer, self.rows = writer, rows
+        self.pending: list[pa.Table] = []
+        self.count = 0
+
+    def write(self, table: pa.Table) -> None:
+        self.pending.append(table)
+        self.count += table.num_rows
+        if self.count >= self.rows:
+            whole = pa.concat_tables(self.pending)
+            full = (self.count // self.rows) * self.rows
+            self.writer.write_table(whole.slice(0, full), row_group_size=self.rows)
+            rest = whole.slice(full)
+            self.pending, self.count = [rest.combine_chunks()], rest.num_rows
+
+    def close(self) -> None:
+        if self.count:
+            self.writer.write_table(pa.concat_tables(self.pending), row_group_size=self.rows)
+        self.pending, self.count = [], 0
+
+
+def write_index(
+    out: DatasetDir,
+    shard_rows: Iterable[dict[str, list]],
+    multi_label: bool,
+    row_group_rows: int = ROW_GROUP_ROWS,
+) -> None:
     """index.parquet from each shard's rows ({column: values}, layout.INDEX_COLUMNS), in shard order;
     atomic, so a reader never sees half of it."""
     schema = index_schema(multi_label)
-    with out.writing(INDEX) as tmp, pq.ParquetWriter(tmp, schema) as writer:
+    with out.writing(INDEX) as tmp, pq.ParquetWriter(tmp, schema) as parquet:
+        writer = GroupedWriter(parquet, row_group_rows)
         for rows in shard_rows:
             if not multi_label:
                 rows = {**rows, "label": [labels[0] for labels in rows["labels"]]}
-            writer.write_table(pa.table({f.name: rows[f.name] for f in schema}, schema=schema))
+            writer.write(pa.table({f.name: rows[f.name] for f in schema}, schema=schema))
+        writer.close()
 
 
 def read_shard_rows(f, shard: str, columns: list[str]) -> pa.Table:

@@ -23,7 +23,8 @@ from conftest import ROOT
 from conftest import vitpipe_shard as shard
 from PIL import Image
 
-from data_prep.index import read_shard_rows
+from data_prep.dataset_dir import DatasetDir
+from data_prep.index import ROW_GROUP_ROWS, read_shard_rows, write_index
 from data_prep.layout import read_manifest
 
 pytestmark = pytest.mark.unit
@@ -76,6 +77,7 @@ def test_folder_source_skips_and_lists_bad_inputs(class_folder, tmp_path):
     assert "rejected 4 of 24 inputs" in proc.stdout
     errors = pq.read_table(out / "errors.parquet").to_pylist()
     assert {e["key"] for e in errors} == BAD_FOLDER_KEYS
+    assert pq.ParquetFile(out / "errors.parquet").metadata.num_row_groups == 1  # listing's and shards' errors
     reasons = {e["key"]: e["reason"] for e in errors}
     assert reasons["cat/empty"].startswith("empty file")
     assert reasons["cat/notes"].startswith("not an image")
@@ -242,6 +244,8 @@ def test_synthetic_labels_per_image_and_two_workers_match_one(tmp_path):
     labels = pq.read_table(tmp_path / "w1" / "index.parquet").column("labels").to_pylist()
     assert 2.0 < np.mean([len(x) for x in labels]) < 3.0
     assert pq.read_table(tmp_path / "w1" / "index.parquet").column("width").to_pylist()[0] == 48
+    # One row group for the whole index, not one per shard (8+ shards here).
+    assert pq.ParquetFile(tmp_path / "w1" / "index.parquet").metadata.num_row_groups == 1
 
 
 def test_killed_run_resumes_to_the_same_shards(tmp_path):
@@ -361,6 +365,39 @@ def test_a_shards_index_rows_are_read_from_its_row_groups_only(tmp_path):
         f"k{i}" for i in range(5)
     ]
     assert c_bytes - footer_only < (a_bytes - footer_only) * 0.75  # one row group of four, not two
+
+
+def test_the_index_has_row_groups_of_a_fixed_size_whatever_the_shards(tmp_path):
+    """write_index puts shards' rows into 65,536-row groups (at JFT scale, 4,600 groups rather than a
+    footer of 100k): a shard cut by a group boundary is still read whole, from the two groups only."""
+    per_shard, shards = 700, 200  # 140,000 rows: groups of 65,536, 65,536 and 8,928
+    rows = (
+        {
+            "key": [f"s{s}/{i}" for i in range(per_shard)],
+            "split": ["train"] * per_shard,
+            "shard": [f"train/shard-{s:06d}.tar"] * per_shard,
+            "labels": [[i % 5] for i in range(per_shard)],
+            "width": [8] * per_shard,
+            "height": [8] * per_shard,
+            "bytes": [100] * per_shard,
+            "sha256": ["0" * 64] * per_shard,
+            "source": [""] * per_shard,
+        }
+        for s in range(shards)
+    )
+    write_index(DatasetDir(tmp_path), rows, multi_label=False)
+    meta = pq.ParquetFile(tmp_path / "index.parquet").metadata
+    sizes = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+    assert (
+        sizes
+        == [ROW_GROUP_ROWS, ROW_GROUP_ROWS, per_shard * shards - 2 * ROW_GROUP_ROWS]
+        == [65536, 65536, 8928]
+    )
+    cut = ROW_GROUP_ROWS // per_shard  # shard 93 holds rows 65,100-65,799: across the first boundary
+    with open(tmp_path / "index.parquet", "rb") as f:
+        table = read_shard_rows(f, f"train/shard-{cut:06d}.tar", ["key", "label"])
+    assert table["key"].to_pylist() == [f"s{cut}/{i}" for i in range(per_shard)]
+    assert table["label"].to_pylist() == [i % 5 for i in range(per_shard)]
 
 
 def test_resize_max_bounds_the_longer_side_and_keeps_the_format(tmp_path):
