@@ -1,6 +1,6 @@
 """index.parquet at JFT scale: what a reader pays to open it and to find one shard's rows.
 
-    .venv/bin/python bench/index.py --out bench/results/index.json      # about a minute on 2 cores
+    .venv/bin/python bench/index.py --out bench/results/index.json      # 1-3 minutes on 2 cores
 
 A footer's size and parse time grow with its row groups (each holds every column's statistics and
 offsets), not with its rows. At 300M samples in 100k shards, one row group per shard (the writer before

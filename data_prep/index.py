@@ -2,8 +2,8 @@
 
 The columns and their order are the layout's (`layout.INDEX_COLUMNS`); this adds their types. Rows go in
 shard order, in row groups of `ROW_GROUP_ROWS` whatever the shard size: at JFT scale (300M rows in 100k
-shards) one group per shard made a footer of about 113 MB that every reader parsed (235 ms at 20k groups);
-64k-row groups make about 4,600 groups, and each group's `shard` statistics still narrow a lookup to the
+shards) one group per shard made a footer of 110 MB that every reader parsed; 64k-row groups make 4,578
+groups and a 5 MB footer (bench/index.py), and each group's `shard` statistics still narrow a lookup to the
 one or two groups that hold a shard (`read_shard_rows`).
 """
 
@@ -44,7 +44,7 @@ ROW_GROUP_ROWS = 65_536
 
 class GroupedWriter:
     """A ParquetWriter fed tables of any size (a shard's rows, a batch of errors) that writes row groups of
-    `rows` rows (the last one shorter): memory holds less than one group."""
+    `rows` rows (the last one shorter): memory holds at most one group and the table that completed it."""
 
     def __init__(self, writer: pq.ParquetWriter, rows: int = ROW_GROUP_ROWS):
         self.writer, self.rows = writer, rows
