@@ -6,7 +6,8 @@ tario.py         the one tar implementation: deterministic members (writing), a 
 keys.py          sample keys from paths, the train/val hash split, the shard order hash
 images.py        check, resize and re-encode one image
 sources/         folder, manifest table, synthetic, digits: listing (driver) and loading (workers)
-plan.py          listing -> shard tasks, before any image is read
+plan.py          listing -> shard tasks, before any image is read (on the driver)
+ranged.py        a Parquet manifest planned by tasks: ranges listed, buckets sorted, shards as slices
 shard_file.py    samples -> one complete shard and its index rows: the only code that writes a shard
 shard_worker.py  one task -> one complete shard and its sidecar (the code every worker runs)
 index.py         index.parquet's schema and writer
@@ -17,5 +18,5 @@ writer.py        the small in-process writer (`write_dataset`) the training laun
 synthetic.py     the generated JFT-like corpus
 cli.py           the `vitpipe shard` argument parser
 
-Imports neither `pipeline` nor `cluster`; Ray only inside `executors.run_on_ray`.
+Imports neither `pipeline` nor `cluster`; Ray only inside `executors.Executor` (`--ray`).
 """

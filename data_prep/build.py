@@ -1,6 +1,8 @@
 """`vitpipe shard SOURCE ... OUT`: plan, write shards in parallel, then index, errors and manifest.
 
-1. Plan (`plan.py`): list the source, assign every input to a shard; nothing is decoded yet.
+1. Plan: list the source, assign every input to a shard; nothing is decoded yet. A Parquet manifest is
+   planned by tasks on the same workers as the shards (`ranged.py`: the driver never holds an item);
+   every other source on this process (`plan.py`).
 2. Write (`executors.py` -> `shard_worker.py`): whole shards, in this process, in worker processes
    or as Ray tasks; a shard already complete from an earlier run (same fingerprint, size, sha256) is
    skipped, so a killed run resumes where it stopped and ends with the same bytes.
@@ -9,7 +11,8 @@
 OUT may be an object store URI (s3://bucket/prefix, gs://...): shards, sidecars, index, errors and
 manifest go to the bucket (`dataset_dir.py`), the listing's scratch files to a local folder.
 
-Memory: the planner's open shard per split, 2 x workers tasks in flight, one sidecar while finishing.
+Memory: the planner's open shard per split (ranged: O(ranges x buckets + shards) numbers), 2 x workers
+tasks in flight, one sidecar while finishing.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import os
 import re
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,7 +34,7 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from data_prep.dataset_dir import DatasetDir
-from data_prep.executors import run_shards
+from data_prep.executors import Executor
 from data_prep.index import GroupedWriter, write_index
 from data_prep.layout import (
     ERRORS,
@@ -43,7 +47,9 @@ from data_prep.layout import (
     write_manifest,
 )
 from data_prep.plan import ErrorLog, Planner
-from data_prep.shard_worker import ShardJob, ShardResult, read_sidecar
+from data_prep.ranged import RangedPlanner, write_slice
+from data_prep.ranged import supports as supports_ranges
+from data_prep.shard_worker import ShardJob, ShardResult, read_sidecar, write_planned_shard
 from data_prep.sources import Source
 
 log = logging.getLogger(__name__)
@@ -99,12 +105,12 @@ def job_fingerprint(source: Source, opts: BuildOptions) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
-def _progress(total: int | None, enabled: bool) -> tqdm:
+def _progress(total: int | None, enabled: bool, desc: str = "shard", unit: str = "img") -> tqdm:
     tty = sys.stderr.isatty()
     return tqdm(
         total=total,
-        unit="img",
-        desc="shard",
+        unit=unit,
+        desc=desc,
         file=sys.stderr,
         disable=not enabled,
         mininterval=0.5 if tty else 15.0,
@@ -131,6 +137,58 @@ def build_dataset(
         raise DatasetError(
             f"{os.fspath(out).split('?', 1)[0]}: cannot write the dataset there ({exc})"
         ) from None
+    # Each worker (a Ray task on another node too) derives its own scratch from the same base.
+    scratch = os.path.abspath(opts.scratch) if opts.scratch and root.remote else ""
+    job = ShardJob(
+        root.location, scratch, opts.name, source.loader(), source.multi_label, opts.resize_max, opts.quality
+    )
+    results: dict[tuple[str, int], ShardResult] = {}
+    with Executor(opts.workers, opts.use_ray) as executor:
+        if supports_ranges(source):  # a Parquet manifest: planned in parallel, the driver sees no item
+            planner = RangedPlanner.make(source, root, scratch, fingerprint, opts)
+            planner.tally(executor)
+            planner.seal()
+            rows = sum(r.rows for r in planner.ranges)
+            with _progress(rows, opts.progress, "listing", "row") as bar:
+                planner.list(executor, bar.update)
+            planner.sort(executor)
+            if planner.num_inputs == 0:
+                raise DatasetError(f"{source.where}: no inputs found")
+            total, write, tasks, shared = (
+                planner.items(),
+                write_slice,
+                planner.shard_tasks(),
+                (planner.plan, job),
+            )
+        else:
+            planner = _serial_planner(root, source, opts, fingerprint)
+            total, write, tasks, shared = planner.total, write_planned_shard, planner.tasks(), job
+        with _progress(total, opts.progress) as bar:
+            for r in executor.map(write, tasks, shared):
+                results[(r.split, r.index)] = r
+                if r.resumed and bar.total:  # not work done now: keep images/s and the ETA honest
+                    bar.total -= r.planned
+                    bar.refresh()
+                else:
+                    bar.update(r.planned)
+    if planner.num_inputs == 0:  # a generated source lists as its shards are written
+        raise DatasetError(f"{source.where}: no inputs found")
+    serial = isinstance(planner, Planner)
+    errors = ErrorLog.batches(planner.errors.path) if serial else planner.error_batches()
+    try:
+        report = _finish(root, source, opts, planner.num_inputs, errors, results, command, options or {})
+        if serial:
+            planner.errors.path.unlink(missing_ok=True)
+        elif report.failure is None:
+            planner.clean()
+    except OSError as exc:  # writing the index, errors or manifest: the storage, not an input
+        raise DatasetError(f"{root.describe()}: cannot finish the dataset ({exc})") from None
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _serial_planner(root: DatasetDir, source: Source, opts: BuildOptions, fingerprint: str) -> Planner:
+    """Every other source: listed (and hash-ordered) on this process, tasks streamed as they are planned."""
     planner = Planner(
         root.scratch,
         source,
@@ -146,44 +204,19 @@ def build_dataset(
             unit="file", desc="listing", file=sys.stderr, disable=not opts.progress, mininterval=1.0
         ) as bar:
             planner.on_input = bar.update
-            total = planner.prepare()
+            planner.total = planner.prepare()
         planner.on_input = None
     else:
-        total = planner.prepare()
-    if planner.num_inputs == 0 and source.mix:
-        raise DatasetError(f"{source.where}: no inputs found")
-    # Each worker (a Ray task on another node too) derives its own scratch from the same base.
-    scratch = os.path.abspath(opts.scratch) if opts.scratch and root.remote else ""
-    job = ShardJob(
-        root.location, scratch, opts.name, source.loader(), source.multi_label, opts.resize_max, opts.quality
-    )
-    results: dict[tuple[str, int], ShardResult] = {}
-    bar = _progress(total, opts.progress)
-    try:
-        for r in run_shards(planner.tasks(), job, opts.workers, opts.use_ray):
-            results[(r.split, r.index)] = r
-            if r.resumed and bar.total:  # not work done now: keep images/s and the ETA honest
-                bar.total -= r.planned
-                bar.refresh()
-            else:
-                bar.update(r.planned)
-    finally:
-        bar.close()
-    if planner.num_inputs == 0:
-        raise DatasetError(f"{source.where}: no inputs found")
-    try:
-        report = _finish(root, source, opts, planner, results, command, options or {})
-    except OSError as exc:  # writing the index, errors or manifest: the storage, not an input
-        raise DatasetError(f"{root.describe()}: cannot finish the dataset ({exc})") from None
-    report.seconds = time.perf_counter() - t0
-    return report
+        planner.total = planner.prepare()
+    return planner
 
 
 def _finish(
     root: DatasetDir,
     source: Source,
     opts: BuildOptions,
-    planner: Planner,
+    num_inputs: int,
+    listing_errors: Iterable[list[tuple[str, str, str]]],
     results: dict[tuple[str, int], ShardResult],
     command: str,
     options: dict,
@@ -191,8 +224,8 @@ def _finish(
     ordered = [results[k] for k in sorted(results)]
     _remove_stale(root, opts.name, ordered)
     _write_index(root, opts.name, ordered, source.multi_label)
-    reasons = _write_errors(root, opts.name, ordered, planner.errors.path)
-    report = BuildReport(out=root, num_inputs=planner.num_inputs, reasons=reasons)
+    reasons = _write_errors(root, opts.name, ordered, listing_errors)
+    report = BuildReport(out=root, num_inputs=num_inputs, reasons=reasons)
     report.num_errors = sum(reasons.values())
     report.num_written = sum(r.count for r in ordered)
     report.num_new = sum(r.count for r in ordered if not r.resumed)
@@ -252,7 +285,10 @@ def _reason_kind(reason: str) -> str:
 
 
 def _write_errors(
-    root: DatasetDir, name: str, results: list[ShardResult], listing_log: Path
+    root: DatasetDir,
+    name: str,
+    results: list[ShardResult],
+    listing_errors: Iterable[list[tuple[str, str, str]]],
 ) -> dict[str, int]:
     """errors.parquet: listing rejections (stage "listing"), then each shard's (stage "read", "decode",
     "convert" or "resize", from the worker's sidecar); returns counts per kind of reason."""
@@ -268,13 +304,8 @@ def _write_errors(
     counts: dict[str, int] = {}
 
     def batches():
-        batch: list[tuple] = []
-        for key, src, reason in ErrorLog.read(listing_log):
-            batch.append((key, src, "listing", reason, None))
-            if len(batch) >= 10_000:
-                yield batch
-                batch = []
-        yield batch
+        for listed in listing_errors:
+            yield [(key, src, "listing", reason, None) for key, src, reason in listed]
         for r in results:
             if r.rejected:
                 errs = read_sidecar(root, name, r.split, r.index)["errors"]
@@ -289,5 +320,4 @@ def _write_errors(
             if batch:
                 writer.write(pa.table([list(c) for c in zip(*batch)], schema=schema))
         writer.close()
-    listing_log.unlink(missing_ok=True)
     return counts

@@ -1,8 +1,8 @@
 """Where shard tasks run: this process, a pool of worker processes, or Ray tasks on a cluster.
 
-All three call `shard_worker.write_planned_shard` on the same tasks, so they write the same bytes.
-Tasks are pulled from the planner lazily and at most `2 x workers` are in flight: memory does not
-grow with the number of shards.
+All three run the same functions on the same tasks (planning parts, `shard_worker.write_planned_shard`),
+so they write the same bytes. Tasks are pulled lazily and at most `2 x workers` are in flight: memory does
+not grow with the number of shards.
 """
 
 from __future__ import annotations
@@ -11,12 +11,10 @@ import logging
 import multiprocessing
 import os
 import socket
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
 from data_prep.layout import DatasetError
-from data_prep.plan import ShardTask
-from data_prep.shard_worker import ShardJob, ShardResult, write_planned_shard
 
 
 def default_workers() -> int:
@@ -24,35 +22,6 @@ def default_workers() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
-
-
-def run_local(tasks: Iterable[ShardTask], job: ShardJob) -> Iterator[ShardResult]:
-    for task in tasks:
-        yield write_planned_shard(task, job)
-
-
-def run_pool(tasks: Iterable[ShardTask], job: ShardJob, workers: int) -> Iterator[ShardResult]:
-    # spawn, not fork: the driver holds pyarrow's threads and open files a forked child must not inherit.
-    ctx = multiprocessing.get_context("spawn")
-    it = iter(tasks)
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        pending = set()
-        try:
-            while True:
-                while len(pending) < 2 * workers:
-                    task = next(it, None)
-                    if task is None:
-                        break
-                    pending.add(pool.submit(write_planned_shard, task, job))
-                if not pending:
-                    return
-                done, pending = wait(pending, return_when=FIRST_COMPLETED)
-                for fut in done:
-                    yield fut.result()
-        except BaseException:
-            for fut in pending:
-                fut.cancel()
-            raise
 
 
 # Ray's switch for multi-node clusters on Windows and macOS. Off ("0"), it also stops Ray from replacing a
@@ -88,12 +57,85 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
         pass
 
 
-def run_on_ray(tasks: Iterable[ShardTask], job: ShardJob) -> Iterator[ShardResult]:
-    """One Ray task per shard on the cluster at RAY_ADDRESS (or the one `ray start` left running).
+class Executor:
+    """Runs a picklable `fn(task, shared)` over tasks: in this process, in a pool of worker processes, or as
+    Ray tasks on the cluster at RAY_ADDRESS; open once (`with`) for every phase of a build. `map` pulls tasks
+    lazily, keeps at most 2 x workers in flight (memory does not grow with the number of tasks) and yields
+    results as they complete.
 
-    Each task writes its shard where the dataset lives itself, so that must be a place every node sees:
-    an object store URI (s3://...; the shard is staged on the node's own scratch) or a shared folder.
+    With Ray each task writes where the dataset lives itself, so that must be a place every node sees: an
+    object store URI (s3://...; files are staged on the node's own scratch) or a shared folder. A task whose
+    worker dies is retried (twice); whatever it left half-written is never published (`atomic`).
     """
+
+    def __init__(self, workers: int = 1, use_ray: bool = False):
+        self.workers, self.use_ray = max(1, workers), use_ray
+        self._pool: ProcessPoolExecutor | None = None
+        self._ray = None
+        self._remote: dict = {}
+
+    def __enter__(self) -> Executor:
+        if self.use_ray:
+            self._ray = _join_ray()
+            self.workers = max(1, int(self._ray.cluster_resources().get("CPU", 1)))
+        elif self.workers > 1:
+            # spawn, not fork: the driver holds pyarrow's threads and open files a forked child must not inherit.
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+        if self._ray is not None:
+            self._ray.shutdown()
+
+    def map(self, fn: Callable, tasks: Iterable, shared) -> Iterator:
+        if self._ray is not None:
+            return self._map_ray(fn, tasks, shared)
+        if self._pool is None:
+            return (fn(task, shared) for task in tasks)
+        return self._map_pool(fn, tasks, shared)
+
+    def _map_pool(self, fn: Callable, tasks: Iterable, shared) -> Iterator:
+        it, pending = iter(tasks), set()
+        try:
+            while True:
+                while len(pending) < 2 * self.workers:
+                    task = next(it, None)
+                    if task is None:
+                        break
+                    pending.add(self._pool.submit(fn, task, shared))
+                if not pending:
+                    return
+                done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    yield fut.result()
+        except BaseException:
+            for fut in pending:
+                fut.cancel()
+            raise
+
+    def _map_ray(self, fn: Callable, tasks: Iterable, shared) -> Iterator:
+        ray = self._ray
+        if fn not in self._remote:
+            self._remote[fn] = ray.remote(num_cpus=1, max_retries=2)(fn)
+        remote, shared_ref = self._remote[fn], ray.put(shared)
+        it, pending = iter(tasks), []
+        while True:
+            while len(pending) < 2 * self.workers:
+                task = next(it, None)
+                if task is None:
+                    break
+                pending.append(remote.remote(task, shared_ref))
+            if not pending:
+                return
+            done, pending = ray.wait(pending, num_returns=1)
+            for ref in done:
+                yield ray.get(ref)
+
+
+def _join_ray():
+    """The Ray cluster at RAY_ADDRESS (or the one `ray start` left running), joined; the module."""
     if os.environ.get("RAY_ADDRESS", "").startswith(("http://", "https://")):
         raise DatasetError(
             f"--ray: RAY_ADDRESS {os.environ['RAY_ADDRESS']} is a Jobs API address, which runs jobs but is not "
@@ -111,32 +153,4 @@ def run_on_ray(tasks: Iterable[ShardTask], job: ShardJob) -> Iterator[ShardResul
             f"--ray: cannot join a Ray cluster ({exc}); start one (python -m cluster.local start) "
             "and set RAY_ADDRESS, or drop --ray to use local worker processes"
         ) from None
-    try:
-        remote = ray.remote(num_cpus=1, max_retries=2)(write_planned_shard)
-        job_ref = ray.put(job)
-        slots = 2 * max(1, int(ray.cluster_resources().get("CPU", 1)))
-        it = iter(tasks)
-        pending: list = []
-        while True:
-            while len(pending) < slots:
-                task = next(it, None)
-                if task is None:
-                    break
-                pending.append(remote.remote(task, job_ref))
-            if not pending:
-                return
-            done, pending = ray.wait(pending, num_returns=1)
-            for ref in done:
-                yield ray.get(ref)
-    finally:
-        ray.shutdown()
-
-
-def run_shards(
-    tasks: Iterable[ShardTask], job: ShardJob, workers: int, use_ray: bool
-) -> Iterator[ShardResult]:
-    if use_ray:
-        return run_on_ray(tasks, job)
-    if workers <= 1:
-        return run_local(tasks, job)
-    return run_pool(tasks, job, workers)
+    return ray

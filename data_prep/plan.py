@@ -18,7 +18,7 @@ import hashlib
 import json
 import shutil
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from data_prep.keys import order_hash, split_for
@@ -56,10 +56,17 @@ class ErrorLog:
         self._f.close()
 
     @staticmethod
-    def read(path: Path) -> Iterator[tuple[str, str, str]]:
+    def batches(path: Path, rows: int = 10_000) -> Iterator[list[tuple[str, str, str]]]:
+        """The log's (key, source, reason) rows, `rows` at a time."""
+        batch: list[tuple[str, str, str]] = []
         with open(path) as f:
             for line in f:
-                yield tuple(json.loads(line))
+                batch.append(tuple(json.loads(line)))
+                if len(batch) >= rows:
+                    yield batch
+                    batch = []
+        if batch:
+            yield batch
 
 
 def _boxes_list(boxes) -> list:
@@ -114,6 +121,50 @@ class HashOrder:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+def sample_bytes(item: Item, multi_label: bool) -> int:
+    """The tar bytes an item's members will take if its size estimate holds."""
+    if multi_label:
+        label = (f"{item.key}.json", len(json.dumps({"labels": list(item.labels)})))
+    else:
+        label = (f"{item.key}.cls", len(str(item.labels[0])))
+    size = member_bytes(f"{item.key}.webp", item.est_bytes) + member_bytes(*label)
+    if item.boxes is not None:  # KEY.boxes.json: about 40 bytes per box
+        size += member_bytes(f"{item.key}.{BOXES_EXT}", 32 + 40 * len(item.boxes))
+    return size
+
+
+def shard_task(job_fingerprint: str, name: str, split: str, index: int, items: tuple[Item, ...]) -> ShardTask:
+    """The task of shard `index` of `split` holding `items` in order, with its path and fingerprint
+    (`planned_bytes` left 0: the caller knows the members' sizes)."""
+    path = shard_rel(split, name, index)
+    h = hashlib.sha256(f"{job_fingerprint}\0{path}".encode())
+    for it in items:
+        h.update(json.dumps([it.key, it.source, list(it.labels), it.stamp]).encode())
+        if it.payload is not None:
+            h.update(it.payload)
+        if it.boxes is not None:  # changed boxes change the shard's KEY.boxes.json
+            h.update(json.dumps(_boxes_list(it.boxes)).encode())
+    return ShardTask(split, index, path, tuple(items), h.hexdigest(), 0)
+
+
+def cut_shards(sizes: Iterable[int], max_count: int, max_size: int | None) -> Iterator[tuple[int, int]]:
+    """(items, member bytes) of each shard cut from one split's items in order, given each item's
+    `sample_bytes`: the rule `Planner.tasks` applies per split (a shard ends at `max_count` items, or
+    before the item that would take it past `max_size`; it holds at least one item)."""
+    count = members = 0
+    for size in sizes:
+        if count and max_size and archive_bytes(members + size) > max_size:
+            yield count, members
+            count = members = 0
+        count += 1
+        members += size
+        if count >= max_count:
+            yield count, members
+            count = members = 0
+    if count:
+        yield count, members
+
+
 @dataclass
 class _OpenShard:
     split: str
@@ -135,6 +186,7 @@ class Planner:
     val_fraction: float = 0.0
     seed: int = 0
     num_inputs: int = 0
+    total: int | None = None  # items to write, where known before writing (set by the build)
     errors: ErrorLog | None = None
     on_input: Callable[[], None] | None = None  # called per listed input (a progress counter)
     _ordered: Iterable[Item | ListingError] | None = None
@@ -160,28 +212,9 @@ class Planner:
             else:
                 yield entry
 
-    def _sample_bytes(self, item: Item) -> int:
-        if self.source.multi_label:
-            label = (f"{item.key}.json", len(json.dumps({"labels": list(item.labels)})))
-        else:
-            label = (f"{item.key}.cls", len(str(item.labels[0])))
-        size = member_bytes(f"{item.key}.webp", item.est_bytes) + member_bytes(*label)
-        if item.boxes is not None:  # KEY.boxes.json: about 40 bytes per box
-            size += member_bytes(f"{item.key}.{BOXES_EXT}", 32 + 40 * len(item.boxes))
-        return size
-
     def _close(self, shard: _OpenShard) -> ShardTask:
-        path = shard_rel(shard.split, self.name, shard.index)
-        h = hashlib.sha256(f"{self.job_fingerprint}\0{path}".encode())
-        for it in shard.items:
-            h.update(json.dumps([it.key, it.source, list(it.labels), it.stamp]).encode())
-            if it.payload is not None:
-                h.update(it.payload)
-            if it.boxes is not None:  # changed boxes change the shard's KEY.boxes.json
-                h.update(json.dumps(_boxes_list(it.boxes)).encode())
-        return ShardTask(
-            shard.split, shard.index, path, tuple(shard.items), h.hexdigest(), archive_bytes(shard.members)
-        )
+        task = shard_task(self.job_fingerprint, self.name, shard.split, shard.index, tuple(shard.items))
+        return replace(task, planned_bytes=archive_bytes(shard.members))
 
     def tasks(self) -> Iterator[ShardTask]:
         if self._ordered is None:
@@ -194,7 +227,7 @@ class Planner:
                 continue
             item = entry
             split = item.split or split_for(item.key, self.val_fraction, self.source.split_salt)
-            size = self._sample_bytes(item)
+            size = sample_bytes(item, self.source.multi_label)
             cur = open_shards.get(split)
             if cur is not None and self.max_size and archive_bytes(cur.members + size) > self.max_size:
                 yield self._close(open_shards.pop(split))

@@ -452,3 +452,15 @@ def test_ray_tasks_write_the_same_shards(ray_cluster, tmp_path):
         "synthetic", "data/rel", *args, "--ray", "--address", ray_cluster.dashboard_url, env=env, expect=2
     )
     assert "OUT 'data/rel': relative, so it would be written inside the job's temporary copy" in proc.stderr
+
+    # A Parquet manifest is planned by Ray tasks too (data_prep/ranged.py): the same shards as in-process.
+    rng = np.random.default_rng(4)
+    for i in range(12):
+        save(noise(rng, 32, 24), tmp_path / "imgs" / f"r{i}.png", "PNG")
+    table = pa.table({"path": [f"imgs/r{i % 12}.png" for i in range(36)], "label": ["a", "b"] * 18})
+    table = table.append_column("key", pa.array([f"k{i}" for i in range(36)]))
+    pq.write_table(table, tmp_path / "list.parquet", row_group_size=8)
+    shard("manifest", tmp_path / "list.parquet", tmp_path / "m-local", "--max-count", 8, "--workers", 1)
+    shard("manifest", tmp_path / "list.parquet", tmp_path / "m-ray", "--max-count", 8, "--ray", env=env)
+    assert shard_hashes(tmp_path / "m-ray") == shard_hashes(tmp_path / "m-local")
+    assert sum(read_manifest(tmp_path / "m-ray").totals.values()) == 36

@@ -64,6 +64,39 @@ def read_classes(spec: str) -> list[str]:
     return names
 
 
+class LabelTally:
+    """What `LabelSpace.infer` needs to know of a set of label values: the distinct names, the largest index
+    and whether every value is integer-like. Tallies of parts merge into the tally of the whole, so a
+    manifest's ranges are tallied in parallel (`data_prep/ranged.py`). Memory: the distinct names."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+        self.top, self.all_int = -1, True
+
+    def add(self, values: Iterable) -> LabelTally:
+        for v in values:
+            if v is None or (isinstance(v, str) and not v.strip()):
+                continue
+            i = _as_int(v)
+            if i is None:
+                self.all_int = False
+                self.names.add(str(v).strip())
+            elif i >= 0:
+                self.top = max(self.top, i)
+                self.names.add(str(v).strip())
+        return self
+
+    def merge(self, other: LabelTally) -> LabelTally:
+        self.names |= other.names
+        self.top, self.all_int = max(self.top, other.top), self.all_int and other.all_int
+        return self
+
+    def space(self) -> LabelSpace:
+        if self.all_int:
+            return LabelSpace([str(i) for i in range(self.top + 1)], by_index=True, fixed=False)
+        return LabelSpace(sorted(self.names), by_index=False, fixed=False)
+
+
 class LabelSpace:
     """Resolves one label value to a class index, or raises UnknownLabel with the reason."""
 
@@ -80,21 +113,9 @@ class LabelSpace:
         """From `--classes`, or from every label value (a streaming pass; memory: the distinct names)."""
         if fixed is not None:
             return cls(list(fixed), by_index=False, fixed=True)
-        names: set[str] = set()
-        top, all_int = -1, True
-        for v in values:
-            if v is None or (isinstance(v, str) and not v.strip()):
-                continue
-            i = _as_int(v)
-            if i is None:
-                all_int = False
-                names.add(str(v).strip())
-            elif i >= 0:
-                top = max(top, i)
-                names.add(str(v).strip())
-        if all_int:
-            return cls([str(i) for i in range(top + 1)], by_index=True, fixed=False)
-        return cls(sorted(names), by_index=False, fixed=False)
+        tally = LabelTally()
+        tally.add(values)
+        return tally.space()
 
     def resolve(self, value) -> int:
         if value is None or (isinstance(value, str) and not value.strip()):

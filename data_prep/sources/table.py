@@ -31,10 +31,19 @@ from data_prep.keys import check_split_name, key_from_path, sanitize_key
 from data_prep.layout import DatasetError, check_box
 from data_prep.sources import Item, ListingError
 from data_prep.sources.files import FileLoader, file_item, uri_item
-from data_prep.sources.labels import LabelSpace, UnknownLabel, parse_label_list
+from data_prep.sources.labels import LabelSpace, LabelTally, UnknownLabel, parse_label_list
 from data_prep.storage import is_uri
 
 BATCH_ROWS = 8192
+
+
+def _list_values(cells: list) -> Iterator:
+    """The values of multi-label cells; a malformed cell is skipped (the listing reports it per row)."""
+    for raw in cells:
+        try:
+            yield from parse_label_list(raw)
+        except UnknownLabel:
+            continue
 
 
 def _is_parquet(path: Path) -> bool:
@@ -70,20 +79,91 @@ class ManifestSource:
         self.label_col = label_col
         self.multi_label = label_col == "labels"
         self.read_cols = ["path", label_col] + [c for c in ("split", "key", "bytes") if c in columns]
-        self._space = LabelSpace.infer(self._label_values(), classes)
-        self.classes = self._space.classes
-        self.detection_classes: list[str] | None = None
+        # Inferred from the data on first use (a serial pass over the column), unless `set_label_spaces`
+        # gave them first: a Parquet manifest's ranges are tallied in parallel (data_prep/ranged.py).
+        self._space = LabelSpace.infer((), classes) if classes is not None else None
+        self._box_space: LabelSpace | None = None
+        self.has_boxes = "boxes" in columns
         if ("boxes" in columns) != ("box_labels" in columns):
             raise DatasetError(
                 f"{path}: detection needs both a 'boxes' column ([[x, y, w, h], ...] per image) and a "
                 f"'box_labels' column (a class per box); found only '{'boxes' if 'boxes' in columns else 'box_labels'}'"
             )
-        if "boxes" in columns:
+        if self.has_boxes:
             self.read_cols += ["boxes", "box_labels"]
-            self._box_space = LabelSpace.infer(self._box_label_values(), box_classes)
-            self.detection_classes = self._box_space.classes
+            self._box_space = LabelSpace.infer((), box_classes) if box_classes is not None else None
         elif box_classes is not None:
             raise DatasetError(f"{path}: --box-classes given, but the manifest has no 'boxes' column")
+
+    @property
+    def space(self) -> LabelSpace:
+        if self._space is None:
+            self._space = LabelSpace.infer(self._label_values(), None)
+        return self._space
+
+    @property
+    def box_space(self) -> LabelSpace:
+        if self._box_space is None:
+            self._box_space = LabelSpace.infer(self._box_label_values(), None)
+        return self._box_space
+
+    @property
+    def classes(self) -> list[str]:
+        return self.space.classes
+
+    @property
+    def detection_classes(self) -> list[str] | None:
+        return self.box_space.classes if self.has_boxes else None
+
+    def labels_known(self) -> bool:
+        """Whether every label space is fixed or already inferred (no tally needed)."""
+        return self._space is not None and (not self.has_boxes or self._box_space is not None)
+
+    def set_label_spaces(self, labels: LabelTally, boxes: LabelTally | None) -> None:
+        """The spaces inferred from tallies of the whole manifest (`tally_rows`, merged); fixed ones stay."""
+        if self._space is None:
+            self._space = labels.space()
+        if self.has_boxes and self._box_space is None:
+            self._box_space = boxes.space()
+
+    # Ranges: consecutive row groups of a Parquet manifest, listed by separate tasks (data_prep/ranged.py).
+
+    def identity(self) -> dict:
+        """What changes when the manifest file does: part of a ranged plan's fingerprint."""
+        st = self.path.stat()
+        return {"path": str(self.path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+    def ranges(self, rows_per_range: int) -> list[tuple[int, int, int, int]] | None:
+        """(first row group, end row group, first row, rows) of runs of whole row groups of about
+        `rows_per_range` rows (at least one group each), from the footer alone; None for a CSV manifest."""
+        if not self.parquet:
+            return None
+        meta = pq.ParquetFile(self.path).metadata
+        out, start, first, rows = [], 0, 0, 0
+        for g in range(meta.num_row_groups):
+            rows += meta.row_group(g).num_rows
+            if rows >= rows_per_range or g == meta.num_row_groups - 1:
+                out.append((start, g + 1, first, rows))
+                start, first, rows = g + 1, first + rows, 0
+        return [r for r in out if r[3]]
+
+    def tally_rows(self, groups: tuple[int, int]) -> tuple[LabelTally, LabelTally | None]:
+        """The label (and box label) tallies of the row groups [start, end)."""
+        labels, boxes = LabelTally(), LabelTally() if self.has_boxes else None
+        columns = [self.label_col] + (["box_labels"] if boxes is not None else [])
+        for batch in self._batches(columns, groups):
+            labels.add(self._label_cell_values(batch[self.label_col]))
+            if boxes is not None:
+                boxes.add(_list_values(batch["box_labels"]))
+        return labels, boxes
+
+    def list_rows(self, groups: tuple[int, int], first_row: int) -> Iterator[Item | ListingError]:
+        """The listing of the row groups [start, end), whose first row is `first_row` (0-based)."""
+        row = first_row
+        for batch in self._batches(self.read_cols, groups):
+            for i in range(len(batch["path"])):
+                row += 1
+                yield self._row(row, {c: batch[c][i] for c in self.read_cols})
 
     def _columns(self) -> list[str]:
         try:
@@ -107,10 +187,16 @@ class ManifestSource:
             convert_options=convert,
         )
 
-    def _batches(self, columns: list[str]) -> Iterator[dict[str, list]]:
+    def _batches(
+        self, columns: list[str], groups: tuple[int, int] | None = None
+    ) -> Iterator[dict[str, list]]:
         try:
             if self.parquet:
-                batches = pq.ParquetFile(self.path).iter_batches(batch_size=BATCH_ROWS, columns=columns)
+                batches = pq.ParquetFile(self.path).iter_batches(
+                    batch_size=BATCH_ROWS,
+                    columns=columns,
+                    row_groups=None if groups is None else range(*groups),
+                )
             else:
                 batches = self._csv_reader(columns)
             for batch in batches:
@@ -120,22 +206,14 @@ class ManifestSource:
 
     def _label_values(self) -> Iterator:
         for batch in self._batches([self.label_col]):
-            for raw in batch[self.label_col]:
-                if self.multi_label:
-                    try:
-                        yield from parse_label_list(raw)
-                    except UnknownLabel:
-                        continue  # reported per row by the listing
-                else:
-                    yield raw
+            yield from self._label_cell_values(batch[self.label_col])
+
+    def _label_cell_values(self, cells: list) -> Iterator:
+        return _list_values(cells) if self.multi_label else iter(cells)
 
     def _box_label_values(self) -> Iterator:
         for batch in self._batches(["box_labels"]):
-            for raw in batch["box_labels"]:
-                try:
-                    yield from parse_label_list(raw)
-                except UnknownLabel:
-                    continue  # reported per row by the listing
+            yield from _list_values(batch["box_labels"])
 
     def _boxes(self, r: dict) -> tuple:
         """A row's boxes as ((class, (x, y, w, h)), ...); raises ValueError naming what is wrong."""
@@ -157,7 +235,7 @@ class ManifestSource:
         for i, (box, name) in enumerate(zip(raw, names)):
             x, y, w, h = check_box(list(box) if isinstance(box, tuple) else box, None, f"box {i}")
             try:
-                cls = self._box_space.resolve(name)
+                cls = self.box_space.resolve(name)
             except UnknownLabel as exc:
                 known = ", ".join(self.detection_classes[:8]) + (
                     ", ..." if len(self.detection_classes) > 8 else ""
@@ -201,7 +279,7 @@ class ManifestSource:
             return ListingError("", str(path), f"{where}: no usable key")
         try:
             labels, split = self._labels_and_split(r)
-            boxes = self._boxes(r) if self.detection_classes is not None else None
+            boxes = self._boxes(r) if self.has_boxes else None
         except (UnknownLabel, ValueError) as exc:
             return ListingError(key, str(path), str(exc))
         item = file_item(path, key, labels, split)
@@ -210,9 +288,7 @@ class ManifestSource:
     def _labels_and_split(self, r: dict) -> tuple[tuple[int, ...], str | None]:
         raw = r[self.label_col]
         labels = (
-            self._space.resolve_all(parse_label_list(raw))
-            if self.multi_label
-            else (self._space.resolve(raw),)
+            self.space.resolve_all(parse_label_list(raw)) if self.multi_label else (self.space.resolve(raw),)
         )
         split = r.get("split")
         return labels, check_split_name(str(split).strip()) if split and str(split).strip() else None
@@ -225,7 +301,7 @@ class ManifestSource:
         try:
             labels, split = self._labels_and_split(r)
             size = int(r["bytes"]) if r.get("bytes") else None
-            boxes = self._boxes(r) if self.detection_classes is not None else None
+            boxes = self._boxes(r) if self.has_boxes else None
         except (UnknownLabel, ValueError) as exc:
             return ListingError(key, uri, str(exc))
         return replace(uri_item(uri, key, labels, split, size), boxes=boxes)

@@ -1,0 +1,438 @@
+"""Planning a Parquet manifest in parallel: the driver handles ranges, buckets and shards, never a sample.
+
+At JFT scale (300M rows) the serial planner (`plan.py`) lists, hashes and sorts every input on the driver,
+which caps the whole cluster near one core's 46k inputs/s. Here each phase is a set of independent tasks run
+by the build's `Executor` (this process, worker processes or Ray tasks), MapReduce-style:
+
+1. tally (only where labels are inferred, not given by --classes): each range's distinct label values;
+   the driver merges the tallies into the label space (memory: the class names).
+2. list: each range (whole row groups of the manifest, about RANGE_ROWS rows) lists its rows as the serial
+   listing does (keys, labels, splits, a stat per local file), places each key in the shard order
+   (`order_hash`) and writes its items to `.work/plan/range_R.parquet`, one row group per order bucket
+   (buckets cut the 64-bit hash range into equal parts: bucket b holds hashes [b, b + 1) * 2^64 / B), and
+   its rejected rows to `range_R.errors.parquet`.
+3. sort: each bucket reads its row group from every range file, sorts by (hash, key, row), drops later
+   duplicates of a key (error rows, `bucket_B.errors.parquet`), and cuts each split's items into shards
+   (--max-count, --max-size) into `bucket_B.parquet`, split after split, in row groups of SLICE_ROWS.
+4. write: shard i of a split is a slice of one bucket file; its task carries (split, index, bucket, start,
+   count), and the worker reads the slice, builds the shard's items and fingerprint and writes it as
+   `shard_worker.write_planned_shard` always has.
+
+The output is that of the serial planner (the same order, the same duplicates dropped, the same error rows),
+except that a shard never spans two buckets: with B > 1 (manifests of more than BUCKET_ROWS rows) each
+split gets up to B - 1 shorter shards (at 300M rows and 1,000 per shard: 300 of 300,000). B follows from the
+manifest's row count and ranges from its row groups, and every sort is total, so the shards are the same
+bytes whatever the number of workers or tasks.
+
+The driver holds O(ranges x buckets + shards) small numbers: never an item. It still reads the listing's
+error rows (O(rejected inputs)) into errors.parquet, and the shards' sidecars into index.parquet
+(`build._finish`); those are not yet parallel.
+
+Resume: each part is published whole, then a JSON marker naming the plan's fingerprint (the manifest file's
+identity and every option that moves an item); a part whose marker matches is not redone, so a killed build
+re-runs only the ranges and buckets it had not finished. The plan folder goes when the dataset is complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from data_prep.dataset_dir import DatasetDir
+from data_prep.keys import order_hash, split_for
+from data_prep.layout import WORK
+from data_prep.plan import _boxes_list, cut_shards, sample_bytes, shard_task
+from data_prep.shard_worker import ShardJob, ShardResult, write_planned_shard
+from data_prep.sources import Item, ListingError
+from data_prep.sources.labels import LabelTally
+from data_prep.sources.table import ManifestSource
+from data_prep.tario import archive_bytes
+
+RANGE_ROWS = 1_000_000  # rows per list task (whole row groups: at least one)
+BUCKET_ROWS = 1_000_000  # rows per sort task, about: a bucket is sorted in one task's memory
+SLICE_ROWS = 1024  # row groups of a bucket file: a shard's read is its rows and at most two groups more
+PLAN = f"{WORK}/plan"
+
+ITEM_SCHEMA = pa.schema(
+    [
+        ("bucket", pa.int32()),
+        ("hash", pa.uint64()),
+        ("key", pa.string()),
+        ("row", pa.int64()),  # 1-based row of the manifest: the first listed of two equal keys is kept
+        ("source", pa.string()),
+        ("labels", pa.list_(pa.int64())),
+        ("est_bytes", pa.int64()),
+        ("stamp", pa.string()),
+        ("split", pa.string()),
+        ("boxes", pa.string()),  # JSON [[class, [x, y, w, h]], ...]; null: no boxes column
+    ]
+)
+ERROR_SCHEMA = pa.schema([("key", pa.string()), ("source", pa.string()), ("reason", pa.string())])
+
+
+def supports(source) -> bool:
+    """Whether `source` is planned here: a Parquet manifest (its footer gives the ranges)."""
+    return isinstance(source, ManifestSource) and source.parquet
+
+
+@dataclass(frozen=True)
+class Range:
+    index: int
+    groups: tuple[int, int]  # row groups [start, end) of the manifest
+    first_row: int  # 0-based
+    rows: int
+
+
+@dataclass(frozen=True)
+class SliceTask:
+    """Shard `index` of `split`: rows [start, start + count) of bucket file `bucket`."""
+
+    split: str
+    index: int
+    bucket: int
+    start: int
+    count: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything a task needs besides its own part: the same for every task of a build, pickled once."""
+
+    source: ManifestSource
+    root: str  # the dataset (local folder or URI)
+    scratch: str
+    job_fingerprint: str
+    name: str
+    max_count: int
+    max_size: int | None
+    val_fraction: float
+    seed: int
+    buckets: int
+    fingerprint: str = ""
+
+    @cached_property
+    def out(self) -> DatasetDir:
+        return DatasetDir(self.root, self.scratch or None)
+
+    def marker(self, rel: str) -> dict | None:
+        """A finished part's marker, if it is this plan's."""
+        raw = self.out.read_bytes(rel)
+        if raw is None:
+            return None
+        try:
+            found = json.loads(raw)
+        except json.JSONDecodeError:
+            return None
+        return found if found.get("plan") == self.fingerprint else None
+
+
+def range_rel(index: int, suffix: str) -> str:
+    return f"{PLAN}/range_{index:06d}.{suffix}"
+
+
+def bucket_rel(index: int, suffix: str) -> str:
+    return f"{PLAN}/bucket_{index:05d}.{suffix}"
+
+
+def _write_parquet(out: DatasetDir, rel: str, table: pa.Table, row_group_rows: int) -> None:
+    with out.writing(rel) as tmp:
+        pq.write_table(table, tmp, row_group_size=max(1, row_group_rows))
+
+
+# 1. tally
+
+
+def tally_range(rng: Range, plan: Plan) -> tuple[LabelTally, LabelTally | None]:
+    return plan.source.tally_rows(rng.groups)
+
+
+# 2. list
+
+
+def list_range(rng: Range, plan: Plan) -> dict:
+    """Lists one range into its bucketed item file and error file; returns (and stores) its marker:
+    rows, items, errors and, per bucket with items, its row group in the file."""
+    rel = range_rel(rng.index, "json")
+    done = plan.marker(rel)
+    if done is not None:
+        return done
+    src, b = plan.source, plan.buckets
+    cols: dict[str, list] = {name: [] for name in ITEM_SCHEMA.names}
+    errors: list[tuple[str, str, str]] = []
+    row = rng.first_row
+    for entry in src.list_rows(rng.groups, rng.first_row):
+        row += 1
+        if isinstance(entry, ListingError):
+            errors.append((entry.key, entry.source, entry.reason))
+            continue
+        h = order_hash(entry.key, plan.seed)
+        cols["bucket"].append((h * b) >> 64)
+        cols["hash"].append(h)
+        cols["key"].append(entry.key)
+        cols["row"].append(row)
+        cols["source"].append(entry.source)
+        cols["labels"].append(list(entry.labels))
+        cols["est_bytes"].append(entry.est_bytes)
+        cols["stamp"].append(entry.stamp)
+        cols["split"].append(entry.split or split_for(entry.key, plan.val_fraction, src.split_salt))
+        cols["boxes"].append(None if entry.boxes is None else json.dumps(_boxes_list(entry.boxes)))
+    table = pa.table(cols, schema=ITEM_SCHEMA)
+    table = table.take(pc.sort_indices(table, [("bucket", "ascending"), ("row", "ascending")]))
+    groups: list[list[int]] = []
+    with plan.out.writing(range_rel(rng.index, "parquet")) as tmp, pq.ParquetWriter(tmp, ITEM_SCHEMA) as w:
+        buckets = table.column("bucket").to_numpy()
+        start = 0
+        while start < len(buckets):  # one row group per bucket present: a sort task reads only its own
+            end = int(buckets.searchsorted(buckets[start], side="right"))
+            w.write_table(table.slice(start, end - start), row_group_size=end - start)
+            groups.append([int(buckets[start]), len(groups)])
+            start = end
+    if errors:
+        _write_parquet(plan.out, range_rel(rng.index, "errors.parquet"), _errors_table(errors), 65_536)
+    marker = {
+        "plan": plan.fingerprint,
+        "index": rng.index,
+        "rows": rng.rows,
+        "items": table.num_rows,
+        "errors": len(errors),
+        "groups": groups,
+    }
+    plan.out.write_bytes(rel, json.dumps(marker).encode())  # last: the range is done
+    return marker
+
+
+def _errors_table(rows: list[tuple[str, str, str]]) -> pa.Table:
+    return pa.table([list(c) for c in zip(*rows)], schema=ERROR_SCHEMA)
+
+
+# 3. sort
+
+
+@dataclass(frozen=True)
+class BucketTask:
+    index: int
+    parts: tuple[tuple[int, int], ...]  # (range, row group) of every range file holding this bucket
+
+
+def sort_bucket(task: BucketTask, plan: Plan) -> dict:
+    """One bucket, from every range: sorted, duplicates dropped, each split cut into shards. Returns (and
+    stores) its marker: per split in name order, [split, first row in the file, [items per shard...]]."""
+    rel = bucket_rel(task.index, "json")
+    done = plan.marker(rel)
+    if done is not None:
+        return done
+    pieces = []
+    for r, group in task.parts:
+        with plan.out.open_file(range_rel(r, "parquet")) as f:
+            pieces.append(pq.ParquetFile(f).read_row_group(group))
+    table = pa.concat_tables(pieces) if pieces else ITEM_SCHEMA.empty_table()
+    table = table.take(
+        pc.sort_indices(table, [("hash", "ascending"), ("key", "ascending"), ("row", "ascending")])
+    )
+    keys = table.column("key").to_pylist()
+    sources = table.column("source").to_pylist()
+    keep, dups, kept = [], [], 0
+    for i, key in enumerate(keys):  # equal keys are adjacent (same hash): the first listed is kept
+        if i and key == keys[kept]:
+            dups.append((key, sources[i], f"duplicate key {key!r} (kept {sources[kept]})"))
+        else:
+            kept = i
+            keep.append(i)
+    if dups:
+        table = table.take(pa.array(keep, pa.int64()))
+        _write_parquet(plan.out, bucket_rel(task.index, "errors.parquet"), _errors_table(dups), 65_536)
+    splits, parts, first = [], [], 0
+    for split in sorted(set(table.column("split").to_pylist())):
+        part = table.filter(pc.equal(table.column("split"), split))  # keeps the order
+        if plan.max_size:
+            sizes = (sample_bytes(it, plan.source.multi_label) for it in _items(part))
+            lengths = [n for n, _ in cut_shards(sizes, plan.max_count, plan.max_size)]
+        else:
+            lengths = [
+                min(plan.max_count, part.num_rows - s) for s in range(0, part.num_rows, plan.max_count)
+            ]
+        splits.append([split, first, lengths])
+        parts.append(part)
+        first += part.num_rows
+    ordered = pa.concat_tables(parts) if parts else table
+    _write_parquet(plan.out, bucket_rel(task.index, "parquet"), ordered.drop_columns(["bucket"]), SLICE_ROWS)
+    marker = {"plan": plan.fingerprint, "index": task.index, "duplicates": len(dups), "splits": splits}
+    plan.out.write_bytes(rel, json.dumps(marker).encode())  # last: the bucket is done
+    return marker
+
+
+def _items(table: pa.Table) -> Iterator[Item]:
+    cols = {name: table.column(name).to_pylist() for name in ("key", "source", "labels", "est_bytes")}
+    cols |= {name: table.column(name).to_pylist() for name in ("stamp", "split", "boxes")}
+    for i, key in enumerate(cols["key"]):
+        raw = cols["boxes"][i]
+        boxes = None if raw is None else tuple((c, tuple(b)) for c, b in json.loads(raw))
+        yield Item(
+            key,
+            cols["source"][i],
+            tuple(cols["labels"][i]),
+            cols["est_bytes"][i],
+            cols["stamp"][i],
+            cols["split"][i],
+            boxes=boxes,
+        )
+
+
+# 4. write
+
+
+def read_slice(out: DatasetDir, bucket: int, start: int, count: int) -> pa.Table:
+    """Rows [start, start + count) of a bucket file, reading only the row groups that hold them."""
+    with out.open_file(bucket_rel(bucket, "parquet")) as f:
+        pf = pq.ParquetFile(f)
+        groups, first, offset = [], None, 0
+        for g in range(pf.metadata.num_row_groups):
+            n = pf.metadata.row_group(g).num_rows
+            if offset + n > start and offset < start + count:
+                groups.append(g)
+                first = offset if first is None else first
+            offset += n
+        table = pf.read_row_groups(groups) if groups else pf.schema_arrow.empty_table()
+    return table.slice(start - (first or 0), count)
+
+
+def write_slice(task: SliceTask, shared: tuple[Plan, ShardJob]) -> ShardResult:
+    plan, job = shared
+    items = tuple(_items(read_slice(plan.out, task.bucket, task.start, task.count)))
+    shard = shard_task(plan.job_fingerprint, plan.name, task.split, task.index, items)
+    members = sum(sample_bytes(it, plan.source.multi_label) for it in items)
+    return write_planned_shard(replace(shard, planned_bytes=archive_bytes(members)), job)
+
+
+# The driver
+
+
+@dataclass
+class RangedPlanner:
+    """The driver's side: builds the tasks of each phase from the markers of the last, and the numbers the
+    build's report needs. Memory: O(ranges x buckets present + shards)."""
+
+    plan: Plan
+    ranges: list[Range]
+    num_inputs: int = 0
+    range_markers: dict[int, dict] = field(default_factory=dict)
+    bucket_markers: dict[int, dict] = field(default_factory=dict)
+
+    @classmethod
+    def make(
+        cls, source: ManifestSource, root: DatasetDir, scratch: str, job_fingerprint: str, opts
+    ) -> RangedPlanner:
+        ranges = [
+            Range(i, (a, b), first, rows) for i, (a, b, first, rows) in enumerate(source.ranges(RANGE_ROWS))
+        ]
+        total = sum(r.rows for r in ranges)
+        plan = Plan(
+            source,
+            root.location,
+            scratch,
+            job_fingerprint,
+            opts.name,
+            opts.max_count,
+            opts.max_size,
+            opts.val_fraction,
+            opts.seed,
+            buckets=max(1, math.ceil(total / BUCKET_ROWS)),
+        )
+        return cls(plan, ranges)
+
+    def tally(self, executor) -> None:
+        """Infer the label spaces not given, from every range's tally (in parallel), unless known."""
+        src = self.plan.source
+        if src.labels_known():
+            return
+        labels, boxes = LabelTally(), LabelTally() if src.has_boxes else None
+        for part_labels, part_boxes in executor.map(tally_range, self.ranges, self.plan):
+            labels.merge(part_labels)
+            if boxes is not None:
+                boxes.merge(part_boxes)
+        src.set_label_spaces(labels, boxes)
+
+    def seal(self) -> None:
+        """Fix the plan's fingerprint once the label spaces are known (they change the items' labels)."""
+        src, p = self.plan.source, self.plan
+        parts = {
+            "job": p.job_fingerprint,
+            "manifest": src.identity(),
+            "ranges": [(r.groups, r.rows) for r in self.ranges],
+            "buckets": p.buckets,
+            "options": [p.name, p.max_count, p.max_size, p.val_fraction, p.seed, src.split_salt],
+            "classes": src.classes,
+            "detection_classes": src.detection_classes,
+        }
+        digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+        self.plan = replace(self.plan, fingerprint=digest)
+
+    def list(self, executor, on_range=None) -> None:
+        for marker in executor.map(list_range, self.ranges, self.plan):
+            self.range_markers[marker["index"]] = marker
+            if on_range is not None:
+                on_range(marker["rows"])
+        self.num_inputs = sum(m["rows"] for m in self.range_markers.values())
+
+    def sort(self, executor) -> None:
+        parts: dict[int, list[tuple[int, int]]] = {}
+        for r in sorted(self.range_markers):
+            for bucket, group in self.range_markers[r]["groups"]:
+                parts.setdefault(bucket, []).append((r, group))
+        tasks = (BucketTask(b, tuple(parts[b])) for b in sorted(parts))
+        for marker in executor.map(sort_bucket, tasks, self.plan):
+            self.bucket_markers[marker["index"]] = marker
+
+    def items(self) -> int:
+        return sum(sum(sum(lengths) for _, _, lengths in m["splits"]) for m in self.bucket_markers.values())
+
+    def shard_tasks(self) -> Iterator[SliceTask]:
+        """Each split's shards, numbered in bucket order (the global order)."""
+        next_index: dict[str, int] = {}
+        for b in sorted(self.bucket_markers):
+            for split, first, lengths in self.bucket_markers[b]["splits"]:
+                start = first
+                for n in lengths:
+                    index = next_index.get(split, 0)
+                    next_index[split] = index + 1
+                    yield SliceTask(split, index, b, start, n)
+                    start += n
+
+    def error_batches(self) -> Iterator[list[tuple[str, str, str]]]:
+        """The listing's rejected rows, in the serial planner's order: each range's (manifest order), then
+        the duplicates (shard order)."""
+        out = self.plan.out
+        parts = [
+            range_rel(r, "errors.parquet")
+            for r in sorted(self.range_markers)
+            if self.range_markers[r]["errors"]
+        ]
+        parts += [
+            bucket_rel(b, "errors.parquet")
+            for b in sorted(self.bucket_markers)
+            if self.bucket_markers[b]["duplicates"]
+        ]
+        for rel in parts:
+            with out.open_file(rel) as f:
+                pf = pq.ParquetFile(f)
+                for g in range(pf.metadata.num_row_groups):
+                    t = pf.read_row_group(g)
+                    yield list(zip(*(t.column(c).to_pylist() for c in ERROR_SCHEMA.names)))
+
+    def clean(self) -> None:
+        """Remove the plan's parts (the dataset is complete)."""
+        out = self.plan.out
+        for r in self.range_markers:
+            for suffix in ("parquet", "errors.parquet", "json"):
+                out.delete(range_rel(r, suffix))
+        for b in self.bucket_markers:
+            for suffix in ("parquet", "errors.parquet", "json"):
+                out.delete(bucket_rel(b, suffix))
