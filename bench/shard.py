@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import multiprocessing
 import os
 import re
@@ -352,6 +353,160 @@ def memory_runs(tmp: Path, num: int, size: tuple[int, int], max_count: int, repe
 
 
 SECTIONS = ("speed", "memory", "bucket")
+# Not in the default run: `make bench` runs it on its own into bench/results/shard_planning.json.
+EXTRA_SECTIONS = ("planning",)
+PLAN_IMAGES = 200  # distinct small JPEGs a generated manifest's rows point at (distinct keys)
+
+
+def write_manifest(folder: Path, rows: int) -> Path:
+    """manifest.parquet of `rows` rows (path, two of 18,000 labels, a distinct key) over PLAN_IMAGES real
+    256x192 JPEGs beside it (as in the speed runs: per-image work, not per-shard, dominates a whole build),
+    written in row groups of 2^20 rows (pyarrow's default)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    (folder / "img").mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i in range(PLAN_IMAGES):
+        pixels = rng.integers(0, 255, (192, 256, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(folder / "img" / f"{i}.jpg", quality=90)
+    schema = pa.schema([("path", pa.string()), ("labels", pa.list_(pa.string())), ("key", pa.string())])
+    path = folder / f"manifest-{rows}.parquet"
+    with pq.ParquetWriter(path, schema) as w:
+        for start in range(0, rows, 1 << 20):
+            idx = range(start, min(rows, start + (1 << 20)))
+            w.write_table(
+                pa.table(
+                    {
+                        "path": [f"img/{i % PLAN_IMAGES}.jpg" for i in idx],
+                        "labels": [[f"c{i * 7 % 18_000}", f"c{i * 13 % 18_000}"] for i in idx],
+                        "key": [f"k{i:010d}" for i in idx],
+                    },
+                    schema=schema,
+                )
+            )
+    return path
+
+
+def plan_child(manifest: str, out: str, workers: int, full: bool) -> None:
+    """In a process of its own (what `vitpipe shard manifest` runs): the whole build (`full`), or its
+    planning alone (tally, list, sort, and every shard task generated, none written). Prints what the
+    driver (this process) and its worker processes spent."""
+    import resource
+
+    from data_prep.build import BuildOptions, build_dataset, job_fingerprint
+    from data_prep.dataset_dir import DatasetDir
+    from data_prep.executors import Executor
+    from data_prep.ranged import RangedPlanner
+    from data_prep.sources.table import ManifestSource
+
+    t0 = time.perf_counter()
+    source = ManifestSource(manifest)
+    opts = BuildOptions(workers=workers, progress=False, max_count=1000)
+    shards = images = 0
+    if full:
+        report = build_dataset(source, out, opts)
+        shards, images = report.num_shards, report.num_written
+        planner = None
+    else:
+        root = DatasetDir(out)
+        root.make()
+        with Executor(workers) as executor:
+            planner = RangedPlanner.make(source, root, "", job_fingerprint(source, opts), opts)
+            planner.tally(executor)
+            planner.seal()
+            planner.list(executor)
+            planner.sort(executor)
+            shards = sum(1 for _ in planner.shard_tasks())
+    wall = time.perf_counter() - t0
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    record = {
+        "wall_s": round(wall, 2),
+        "driver_cpu_s": round(me.ru_utime + me.ru_stime, 2),
+        "workers_cpu_s": round(kids.ru_utime + kids.ru_stime, 2),
+        "driver_peak_rss_mb": round(me.ru_maxrss / 1024, 1),
+        "worker_peak_rss_mb": round(kids.ru_maxrss / 1024, 1),
+        "shards": shards,
+        "images": images,
+    }
+    if planner is not None:
+        record |= {"ranges": len(planner.ranges), "buckets": planner.plan.buckets, "items": planner.items()}
+    print(json.dumps(record))
+
+
+def _run_child(manifest: Path, out: Path, workers: int, full: bool) -> dict:
+    cmd = [sys.executable, __file__, "--plan-child", str(manifest), str(out), str(workers)]
+    proc = subprocess.run([*cmd, *(["--full"] if full else [])], cwd=REPO, capture_output=True, text=True)
+    shutil.rmtree(out, ignore_errors=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def planning_rounds(tmp: Path, sizes: tuple[int, int], e2e_rows: int, repeats: int) -> dict:
+    """Planning a Parquet manifest at two sizes through the real code with 2 worker processes (the driver's
+    peak RSS and CPU, against the workers'), then whole builds of a smaller manifest with 1 and 2 workers
+    in alternating rounds (images/s, the driver's share of the CPU)."""
+    small, large = sizes
+    planning = {}
+    for rows in sizes:
+        manifest = write_manifest(tmp, rows)
+        run = _run_child(manifest, tmp / "plan-out", 2, full=False)
+        run["rows"] = rows
+        run["driver_cpu_s_per_million_rows"] = round(run["driver_cpu_s"] / (rows / 1e6), 2)
+        run["driver_cpu_share"] = round(run["driver_cpu_s"] / max(1e-9, run["workers_cpu_s"]), 4)
+        run["rows_per_s"] = round(rows / run["wall_s"])
+        planning[str(rows)] = run
+        manifest.unlink()
+    a, b = planning[str(small)], planning[str(large)]
+    growth = {
+        "driver_peak_rss": round(b["driver_peak_rss_mb"] / a["driver_peak_rss_mb"], 3),
+        "driver_cpu_s": round(b["driver_cpu_s"] / a["driver_cpu_s"], 3),
+        "rows": large / small,
+    }
+    manifest = write_manifest(tmp, e2e_rows)
+    rounds = []
+    for _ in range(repeats):
+        one = _run_child(manifest, tmp / "e2e-1", 1, full=True)
+        two = _run_child(manifest, tmp / "e2e-2", 2, full=True)
+        for run in (one, two):
+            run["images_per_s"] = round(run["images"] / run["wall_s"], 1)
+        two["driver_cpu_share"] = round(two["driver_cpu_s"] / max(1e-9, two["workers_cpu_s"]), 4)
+        rounds.append(
+            {
+                "workers_1": one,
+                "workers_2": two,
+                "speedup": round(two["images_per_s"] / one["images_per_s"], 3),
+            }
+        )
+    speedup = statistics.median(r["speedup"] for r in rounds)
+    e2e_share = statistics.median(r["workers_2"]["driver_cpu_share"] for r in rounds)
+    return {
+        "planning": planning,
+        "planning_growth": growth,
+        "end_to_end": {"rows": e2e_rows, "rounds": rounds},
+        "goals": {
+            "driver_peak_rss_mb_at_large": {
+                "value": b["driver_peak_rss_mb"],
+                "goal": "<= 1024",
+                "met": b["driver_peak_rss_mb"] <= 1024,
+            },
+            "driver_peak_rss_growth": {
+                "value": growth["driver_peak_rss"],
+                "goal": "<= 1.2",
+                "met": growth["driver_peak_rss"] <= 1.2,
+            },
+            "planning_driver_cpu_share_at_large": {
+                "value": b["driver_cpu_share"],
+                "goal": "<= 0.05",
+                "met": b["driver_cpu_share"] <= 0.05,
+            },
+            "end_to_end_driver_cpu_share": {"value": e2e_share, "goal": "<= 0.05", "met": e2e_share <= 0.05},
+            "speedup_2_vs_1_workers": {"value": speedup, "goal": ">= 1.7", "met": speedup >= 1.7},
+        },
+    }
 
 
 def main() -> None:
@@ -375,14 +530,26 @@ def main() -> None:
     ap.add_argument(
         "--sections",
         default=",".join(SECTIONS),
-        help=f"comma-separated subset of {','.join(SECTIONS)} (default all)",
+        help=f"comma-separated subset of {','.join(SECTIONS + EXTRA_SECTIONS)} (default: {','.join(SECTIONS)})",
     )
+    ap.add_argument(
+        "--plan-rows",
+        default="1000000,10000000",
+        help="planning section: two manifest sizes, small,large (default 1000000,10000000)",
+    )
+    ap.add_argument("--e2e-rows", type=int, default=20_000, help="planning section: rows of the whole builds")
     ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument("--plan-child", nargs=3, metavar=("MANIFEST", "OUT", "WORKERS"), help=argparse.SUPPRESS)
+    ap.add_argument("--full", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.plan_child:
+        manifest, out, workers = args.plan_child
+        plan_child(manifest, out, int(workers), args.full)
+        return
     sections = [x for x in args.sections.split(",") if x]
-    unknown = set(sections) - set(SECTIONS)
+    unknown = set(sections) - set(SECTIONS) - set(EXTRA_SECTIONS)
     if unknown:
-        ap.error(f"--sections: unknown {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+        ap.error(f"--sections: unknown {sorted(unknown)}; choose from {', '.join(SECTIONS + EXTRA_SECTIONS)}")
     speed_num = args.speed_num or (1000 if args.quick else 10_000)
     mem_num = args.mem_num or (1000 if args.quick else 10_000)
     bucket_num = args.bucket_num or (300 if args.quick else 1500)
@@ -408,6 +575,10 @@ def main() -> None:
             result.update(speed_rounds(tmp, speed_num, args.speed_size, args.max_count, repeats))
         if "memory" in sections:
             result.update(memory_runs(tmp, mem_num, args.mem_size, args.max_count, repeats))
+        if "planning" in sections:
+            small, large = (int(x) for x in args.plan_rows.split(","))
+            result["command"] = "vitpipe shard manifest MANIFEST.parquet OUT --max-count 1000 --workers K"
+            result |= planning_rounds(tmp, (small, large), args.e2e_rows, repeats)
         if "bucket" in sections:
             result["object_storage"] = bucket_rounds(
                 tmp, bucket_num, 2, (500, 375), 384, args.max_count, repeats
