@@ -29,13 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import PIL
-import pyarrow as pa
-import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from data_prep.dataset_dir import DatasetDir
 from data_prep.executors import Executor
-from data_prep.index import GroupedWriter, write_index
+from data_prep.finish import FinishJob, finish_index
 from data_prep.layout import (
     ERRORS,
     FORMAT_VERSION,
@@ -49,7 +47,7 @@ from data_prep.layout import (
 from data_prep.plan import ErrorLog, Planner
 from data_prep.ranged import RangedPlanner, write_slice
 from data_prep.ranged import supports as supports_ranges
-from data_prep.shard_worker import ShardJob, ShardResult, read_sidecar, write_planned_shard
+from data_prep.shard_worker import ShardJob, ShardResult, write_planned_shard
 from data_prep.sources import Source
 
 log = logging.getLogger(__name__)
@@ -171,18 +169,29 @@ def build_dataset(
                     bar.refresh()
                 else:
                     bar.update(r.planned)
-    if planner.num_inputs == 0:  # a generated source lists as its shards are written
-        raise DatasetError(f"{source.where}: no inputs found")
-    serial = isinstance(planner, Planner)
-    errors = ErrorLog.batches(planner.errors.path) if serial else planner.error_batches()
-    try:
-        report = _finish(root, source, opts, planner.num_inputs, errors, results, command, options or {})
-        if serial:
-            planner.errors.path.unlink(missing_ok=True)
-        elif report.failure is None:
-            planner.clean()
-    except OSError as exc:  # writing the index, errors or manifest: the storage, not an input
-        raise DatasetError(f"{root.describe()}: cannot finish the dataset ({exc})") from None
+        if planner.num_inputs == 0:  # a generated source lists as its shards are written
+            raise DatasetError(f"{source.where}: no inputs found")
+        serial = isinstance(planner, Planner)
+        errors = ErrorLog.batches(planner.errors.path) if serial else planner.error_batches()
+        try:
+            report = _finish(
+                executor,
+                root,
+                scratch,
+                source,
+                opts,
+                planner.num_inputs,
+                errors,
+                results,
+                command,
+                options or {},
+            )
+            if serial:
+                planner.errors.path.unlink(missing_ok=True)
+            elif report.failure is None:
+                planner.clean()
+        except OSError as exc:  # writing the index, errors or manifest: the storage, not an input
+            raise DatasetError(f"{root.describe()}: cannot finish the dataset ({exc})") from None
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -212,7 +221,9 @@ def _serial_planner(root: DatasetDir, source: Source, opts: BuildOptions, finger
 
 
 def _finish(
+    executor: Executor,
     root: DatasetDir,
+    scratch: str,
     source: Source,
     opts: BuildOptions,
     num_inputs: int,
@@ -223,8 +234,8 @@ def _finish(
 ) -> BuildReport:
     ordered = [results[k] for k in sorted(results)]
     _remove_stale(root, opts.name, ordered)
-    _write_index(root, opts.name, ordered, source.multi_label)
-    reasons = _write_errors(root, opts.name, ordered, listing_errors)
+    job = FinishJob(root.location, scratch, opts.name, source.multi_label)
+    reasons = finish_index(executor, root, job, ordered, listing_errors)
     report = BuildReport(out=root, num_inputs=num_inputs, reasons=reasons)
     report.num_errors = sum(reasons.values())
     report.num_written = sum(r.count for r in ordered)
@@ -271,53 +282,3 @@ def _remove_stale(root: DatasetDir, name: str, results: list[ShardResult]) -> No
         for f in root.list_files(folder):
             if pattern.match(f) and f"{folder}/{f}" not in keep:
                 root.delete(f"{folder}/{f}")
-
-
-def _write_index(root: DatasetDir, name: str, results: list[ShardResult], multi_label: bool) -> None:
-    write_index(root, (read_sidecar(root, name, r.split, r.index)["rows"] for r in results), multi_label)
-
-
-def _reason_kind(reason: str) -> str:
-    """ "unknown label 'x'" -> "unknown label": the reason without its particulars, for the summary."""
-    head = re.split(r":| \(", reason, maxsplit=1)[0]
-    words = [w for w in head.split() if not re.search(r"[\d'\"/\\]", w)]
-    return " ".join(words) or reason
-
-
-def _write_errors(
-    root: DatasetDir,
-    name: str,
-    results: list[ShardResult],
-    listing_errors: Iterable[list[tuple[str, str, str]]],
-) -> dict[str, int]:
-    """errors.parquet: listing rejections (stage "listing"), then each shard's (stage "read", "decode",
-    "convert" or "resize", from the worker's sidecar); returns counts per kind of reason."""
-    schema = pa.schema(
-        [
-            ("key", pa.string()),
-            ("source", pa.string()),
-            ("stage", pa.string()),
-            ("reason", pa.string()),
-            ("shard", pa.string()),
-        ]
-    )
-    counts: dict[str, int] = {}
-
-    def batches():
-        for listed in listing_errors:
-            yield [(key, src, "listing", reason, None) for key, src, reason in listed]
-        for r in results:
-            if r.rejected:
-                errs = read_sidecar(root, name, r.split, r.index)["errors"]
-                yield [(k, s, stage, reason, r.path) for k, s, stage, reason in errs]
-
-    with root.writing(ERRORS) as tmp, pq.ParquetWriter(tmp, schema) as parquet:
-        writer = GroupedWriter(parquet)  # 64k-row groups, not one per shard with a rejected input
-        for batch in batches():
-            for row in batch:
-                kind = _reason_kind(row[3])
-                counts[kind] = counts.get(kind, 0) + 1
-            if batch:
-                writer.write(pa.table([list(c) for c in zip(*batch)], schema=schema))
-        writer.close()
-    return counts

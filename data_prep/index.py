@@ -79,10 +79,15 @@ def write_index(
     with out.writing(INDEX) as tmp, pq.ParquetWriter(tmp, schema) as parquet:
         writer = GroupedWriter(parquet, row_group_rows)
         for rows in shard_rows:
-            if not multi_label:
-                rows = {**rows, "label": [labels[0] for labels in rows["labels"]]}
-            writer.write(pa.table({f.name: rows[f.name] for f in schema}, schema=schema))
+            writer.write(shard_table(rows, schema, multi_label))
         writer.close()
+
+
+def shard_table(rows: dict[str, list], schema: pa.Schema, multi_label: bool) -> pa.Table:
+    """One shard's index rows ({column: values}, as its sidecar holds them) as a table of `schema`."""
+    if not multi_label:
+        rows = {**rows, "label": [labels[0] for labels in rows["labels"]]}
+    return pa.table({f.name: rows[f.name] for f in schema}, schema=schema)
 
 
 def read_shard_rows(f, shard: str, columns: list[str]) -> pa.Table:

@@ -8,12 +8,12 @@ by the build's `Executor` (this process, worker processes or Ray tasks), MapRedu
    the driver merges the tallies into the label space (memory: the class names).
 2. list: each range (whole row groups of the manifest, about RANGE_ROWS rows) lists its rows as the serial
    listing does (keys, labels, splits, a stat per local file), places each key in the shard order
-   (`order_hash`) and writes its items to `.work/plan/range_R.parquet`, one row group per order bucket
+   (`order_hash`) and writes its items to `.work/plan_range_R.parquet`, one row group per order bucket
    (buckets cut the 64-bit hash range into equal parts: bucket b holds hashes [b, b + 1) * 2^64 / B), and
-   its rejected rows to `range_R.errors.parquet`.
+   its rejected rows to `plan_range_R.errors.parquet`.
 3. sort: each bucket reads its row group from every range file, sorts by (hash, key, row), drops later
-   duplicates of a key (error rows, `bucket_B.errors.parquet`), and cuts each split's items into shards
-   (--max-count, --max-size) into `bucket_B.parquet`, split after split, in row groups of SLICE_ROWS.
+   duplicates of a key (error rows, `plan_bucket_B.errors.parquet`), and cuts each split's items into shards
+   (--max-count, --max-size) into `plan_bucket_B.parquet`, split after split, in row groups of SLICE_ROWS.
 4. write: shard i of a split is a slice of one bucket file; its task carries (split, index, bucket, start,
    count), and the worker reads the slice, builds the shard's items and fingerprint and writes it as
    `shard_worker.write_planned_shard` always has.
@@ -59,6 +59,8 @@ from data_prep.tario import archive_bytes
 RANGE_ROWS = 1_000_000  # rows per list task (whole row groups: at least one)
 BUCKET_ROWS = 1_000_000  # rows per sort task, about: a bucket is sorted in one task's memory
 SLICE_ROWS = 1024  # row groups of a bucket file: a shard's read is its rows and at most two groups more
+# In .work/ itself, beside job.json, which stays: on object stores pyarrow puts an empty marker object for a
+# folder emptied by deletes.
 PLAN = f"{WORK}/plan"
 
 ITEM_SCHEMA = pa.schema(
@@ -135,11 +137,11 @@ class Plan:
 
 
 def range_rel(index: int, suffix: str) -> str:
-    return f"{PLAN}/range_{index:06d}.{suffix}"
+    return f"{PLAN}_range_{index:06d}.{suffix}"
 
 
 def bucket_rel(index: int, suffix: str) -> str:
-    return f"{PLAN}/bucket_{index:05d}.{suffix}"
+    return f"{PLAN}_bucket_{index:05d}.{suffix}"
 
 
 def _write_parquet(out: DatasetDir, rel: str, table: pa.Table, row_group_rows: int) -> None:

@@ -304,7 +304,16 @@ class Store:
         return self.fs.open_input_file(self._path(rel))
 
     def delete_file(self, rel: str) -> None:
-        """Remove the file `rel`; no error where there is none."""
+        """Remove the file `rel`; no error where there is none. s3:// objects are deleted with obstore where it
+        reads the bucket (`read_object`): pyarrow PUTs an empty marker object for the folder a delete leaves,
+        a stray object in the dataset's listing (and in .work/ after every build's clean-up)."""
+        fast = _fast_reader(child(self.uri, rel)) if self.fs.type_name == "s3" else None
+        if fast is not None:
+            try:
+                obstore.delete(fast[0], fast[1])  # S3's DeleteObject: no error for a missing key
+                return
+            except Exception:  # obstore's own error types: pyarrow tries, and raises its error
+                pass
         try:
             self.fs.delete_file(self._path(rel))
         except FileNotFoundError:

@@ -1,5 +1,6 @@
 """A Parquet manifest planned in parallel (data_prep/ranged.py): the serial planner's output, the same bytes
-whatever the workers, ranges and buckets, resumable part by part, and the driver handed no item.
+whatever the workers, ranges and buckets, resumable part by part, and the driver handed no item. And the
+index and errors written from parts (data_prep/finish.py): the same files however many parts.
 
 Ranges and buckets are made small (RANGE_ROWS, BUCKET_ROWS patched on the driver, where they are read) so a
 manifest of a few hundred rows has many of each.
@@ -16,7 +17,7 @@ import webdataset as wds
 from PIL import Image
 
 from data_prep import build as build_module
-from data_prep import ranged
+from data_prep import finish, ranged
 from data_prep.build import BuildOptions, build_dataset
 from data_prep.layout import read_manifest
 from data_prep.sources.table import ManifestSource
@@ -177,12 +178,12 @@ def test_a_failed_build_resumes_without_redoing_finished_ranges_and_buckets(inpu
     assert calls == {"list": 0, "sort": 0}
     assert report.resumed_shards == 2 and shard_bytes(out) == shard_bytes(whole)
     assert (out / "index.parquet").read_bytes() == (whole / "index.parquet").read_bytes()
-    assert not list((out / ranged.PLAN).iterdir())  # the plan's parts go once the dataset is complete
+    assert not list((out / ".work").glob("plan_*"))  # the plan's parts go once the dataset is complete
 
 
 def test_the_driver_hands_out_only_numbers(inputs, tmp_path, monkeypatch):
-    """Every task a build hands a worker is a range, a bucket or a slice: a few integers, never an item;
-    what comes back is a marker of O(buckets) numbers or a shard's result."""
+    """Every task a build hands a worker is a range, a bucket, a slice or a run of shards to index: a few
+    integers (and shard paths), never an item; what comes back is a marker of numbers or a shard's result."""
     parquet, _ = inputs
     monkeypatch.setattr(ranged, "RANGE_ROWS", 64)
     monkeypatch.setattr(ranged, "BUCKET_ROWS", 100)
@@ -197,5 +198,29 @@ def test_the_driver_hands_out_only_numbers(inputs, tmp_path, monkeypatch):
     monkeypatch.setattr(build_module.Executor, "map", recording)
     build(parquet, tmp_path / "out", max_count=16)
     kinds = {type(t).__name__ for t in seen}
-    assert kinds == {"Range", "BucketTask", "SliceTask"}, kinds
-    assert all(len(repr(t)) < 200 for t in seen)
+    assert kinds == {"Range", "BucketTask", "SliceTask", "IndexPart"}, kinds
+    for task in seen:
+        size = len(repr(task))
+        assert size < 200 or (type(task).__name__ == "IndexPart" and size < 60 * len(task.shards)), task
+
+
+def test_index_and_errors_are_the_same_files_from_one_part_or_one_per_shard(inputs, tmp_path, monkeypatch):
+    """index.parquet and errors.parquet copied from index parts: byte for byte the same with one part for
+    the whole dataset and with one per shard, with rejected inputs from the listing and from the shards'
+    sidecars (a truncated image: stage "decode") in the serial planner's order."""
+    _, csv = inputs
+    bad = csv.parent / "truncated.png"
+    bad.write_bytes((csv.parent / "img0.png").read_bytes()[:60])
+    rows = csv.read_text().splitlines()
+    manifest = csv.parent / "with_bad.csv"  # beside the images its relative paths name
+    manifest.write_text("\n".join([*rows, "truncated.png,cat,kbad,"]) + "\n")
+    one = build(manifest, tmp_path / "one", max_count=16)
+    monkeypatch.setattr(finish, "PART_ROWS", 1)
+    per_shard = build(manifest, tmp_path / "per_shard", max_count=16)
+    for name in ("index.parquet", "errors.parquet"):
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "per_shard" / name).read_bytes(), name
+    errors = pq.read_table(tmp_path / "per_shard" / "errors.parquet").to_pylist()
+    assert [e["stage"] for e in errors] == ["listing"] * 4 + ["decode"] and errors[-1]["key"] == "kbad"
+    assert errors[-1]["shard"].startswith("train/") or errors[-1]["shard"].startswith("val/")
+    assert one.reasons == per_shard.reasons and sum(per_shard.reasons.values()) == 5
+    assert not list((tmp_path / "per_shard" / ".work").glob("*_part_*"))  # the parts are gone
