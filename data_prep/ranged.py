@@ -58,6 +58,7 @@ from data_prep.tario import archive_bytes
 
 RANGE_ROWS = 1_000_000  # rows per list task (whole row groups: at least one)
 BUCKET_ROWS = 1_000_000  # rows per sort task, about: a bucket is sorted in one task's memory
+BATCH_ROWS = 8192  # items a list task holds as Python objects at once
 SLICE_ROWS = 1024  # row groups of a bucket file: a shard's read is its rows and at most two groups more
 # In .work/ itself, beside job.json, which stays: on object stores pyarrow puts an empty marker object for a
 # folder emptied by deletes.
@@ -168,6 +169,7 @@ def list_range(rng: Range, plan: Plan) -> dict:
         return done
     src, b = plan.source, plan.buckets
     cols: dict[str, list] = {name: [] for name in ITEM_SCHEMA.names}
+    tables: list[pa.Table] = []  # the range's items in Arrow, BATCH_ROWS at a time (not as Python objects)
     errors: list[tuple[str, str, str]] = []
     row = rng.first_row
     for entry in src.list_rows(rng.groups, rng.first_row):
@@ -186,7 +188,10 @@ def list_range(rng: Range, plan: Plan) -> dict:
         cols["stamp"].append(entry.stamp)
         cols["split"].append(entry.split or split_for(entry.key, plan.val_fraction, src.split_salt))
         cols["boxes"].append(None if entry.boxes is None else json.dumps(_boxes_list(entry.boxes)))
-    table = pa.table(cols, schema=ITEM_SCHEMA)
+        if len(cols["key"]) >= BATCH_ROWS:
+            tables.append(pa.table(cols, schema=ITEM_SCHEMA))
+            cols = {name: [] for name in ITEM_SCHEMA.names}
+    table = pa.concat_tables([*tables, pa.table(cols, schema=ITEM_SCHEMA)])
     table = table.take(pc.sort_indices(table, [("bucket", "ascending"), ("row", "ascending")]))
     groups: list[list[int]] = []
     with plan.out.writing(range_rel(rng.index, "parquet")) as tmp, pq.ParquetWriter(tmp, ITEM_SCHEMA) as w:
