@@ -49,6 +49,12 @@ def _ema_megabytes() -> float:
     return json.loads((RESULTS / "ema.json").read_text())["zero3"]["ema_bytes_per_rank"] / 1e6
 
 
+def _e2e_median(workers: str) -> float:
+    rounds = json.loads((RESULTS / "shard_planning.json").read_text())["end_to_end"]["rounds"]
+    values = sorted(r[workers]["images_per_s"] for r in rounds)
+    return values[len(values) // 2]
+
+
 def _minutes_seconds(shown: str) -> float:
     m, s = re.fullmatch(r"(\d+)m(\d+)s", shown).groups()
     return int(m) * 60 + int(s)
@@ -56,6 +62,50 @@ def _minutes_seconds(shown: str) -> float:
 
 # (document, sentence with one group per number, where each number comes from)
 CLAIMS = [
+    (
+        "README.md",
+        r"10M rows: (\d+\.\d+) s of its CPU and (\d+\.\d+) MB",
+        [
+            result("shard_planning.json", "planning.10000000.driver_cpu_s"),
+            result("shard_planning.json", "planning.10000000.driver_peak_rss_mb"),
+        ],
+    ),
+    (
+        "docs/sharding.md",
+        r"\| driver peak RSS \| (\d+\.\d+) MB \| (\d+\.\d+) MB \| <= 1 GB, flat \(<= 1\.2x\): (\d\.\d+)x",
+        [
+            result("shard_planning.json", "planning.1000000.driver_peak_rss_mb"),
+            result("shard_planning.json", "planning.10000000.driver_peak_rss_mb"),
+            result("shard_planning.json", "planning_growth.driver_peak_rss"),
+        ],
+    ),
+    (
+        "docs/sharding.md",
+        r"\| driver CPU / workers' CPU \| (\d\.\d+) \| (\d\.\d+) \|",
+        [
+            result("shard_planning.json", "planning.1000000.driver_cpu_share"),
+            result("shard_planning.json", "planning.10000000.driver_cpu_share"),
+        ],
+    ),
+    (
+        "docs/sharding.md",
+        r"(\d+\.\d+) images/s with 1 worker and (\d+\.\d+) with 2 \(medians\), a speed-up of\s+(\d\.\d+)x",
+        [
+            derived("shard_planning.json: median workers_1 images/s", lambda: _e2e_median("workers_1")),
+            derived("shard_planning.json: median workers_2 images/s", lambda: _e2e_median("workers_2")),
+            result("shard_planning.json", "goals.speedup_2_vs_1_workers.value"),
+        ],
+    ),
+    (
+        "docs/sharding.md",
+        r"the driver spent (\d\.\d+) of the workers'\s+CPU",
+        [result("shard_planning.json", "goals.end_to_end_driver_cpu_share.value")],
+    ),
+    (
+        "docs/sharding.md",
+        r"The 10M run spent (\d+\.\d+) worker CPU-seconds",
+        [result("shard_planning.json", "planning.10000000.workers_cpu_s")],
+    ),
     (
         "README.md",
         r"Loader: (\d+\.\d+)x the plain webdataset",
