@@ -56,6 +56,7 @@ from pipeline.models import create_model  # noqa: E402
 from pipeline.train import checkpoint  # noqa: E402
 from pipeline.train.engine import build_engine  # noqa: E402
 from pipeline.train.saving import Checkpointer  # noqa: E402
+from pipeline.train.tag import COMPLETE  # noqa: E402
 
 
 def slowest(seconds: float) -> float:
@@ -151,7 +152,7 @@ def worker(args: argparse.Namespace) -> None:
         runs["overlap_steps"].append(len(overlap))
         runs["contention_s"].append(sum(overlap) - len(overlap) * runs["step_s"][-1])
         step += 1 + len(overlap)
-        record = json.loads((tag_dir / checkpoint.COMPLETE).read_text())
+        record = json.loads((tag_dir / COMPLETE).read_text())
         nbytes = sum(f["bytes"] for f in record["files"].values())
         dist.barrier()
         if ctx.local_rank == 0:

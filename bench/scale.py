@@ -41,7 +41,7 @@ from provenance import write_result  # bench/provenance.py, beside this file
 from data_prep.layout import Manifest, ShardInfo, shard_rel, write_manifest
 from pipeline.data.deal import Deal, _ends, _order, continue_deal, rank_quota, slot_range
 from pipeline.data.sources import DatasetInfo, dataset_info, epoch_batches
-from pipeline.train.checkpoint import tag_for
+from pipeline.train.tag import tag_for
 
 SCALES = {
     "jft": {"samples": 300_000_000, "shards": 100_000, "world": 1024, "nodes": 128},

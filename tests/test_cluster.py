@@ -20,7 +20,7 @@ from safetensors.torch import load
 
 from cluster import local
 from data_prep.storage import Store, child
-from pipeline.train.checkpoint import tag_for as checkpoint_tag
+from pipeline.train.tag import tag_for as checkpoint_tag
 
 ROOT = Path(__file__).parents[1]
 # A worker's progress line as the job log shows it: "(RayTrainWorker pid=N) step 3/8 loss ..." (ANSI inside).

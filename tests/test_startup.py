@@ -25,6 +25,7 @@ from pipeline.data.sources import DatasetInfo, dataset_info
 from pipeline.distributed import DistContext, shutdown_distributed
 from pipeline.stage import Stage
 from pipeline.train import checkpoint
+from pipeline.train.tag import COMPLETE, tag_for
 
 
 @pytest.fixture(scope="module")
@@ -92,12 +93,10 @@ def test_rank_zero_reads_the_manifest_and_the_newest_record_for_both_ranks(datas
     ckpts = tmp_path / "ckpts"
     for node, tags in (("node0", {10: True, 5: True}), ("node1", {20: True, 30: False})):
         for step, complete in tags.items():
-            tag = ckpts / node / checkpoint.tag_for(step)
+            tag = ckpts / node / tag_for(step)
             tag.mkdir(parents=True)
             if complete:  # step 30 on node 1 was cut short: no COMPLETE.json
-                (tag / checkpoint.COMPLETE).write_text(
-                    json.dumps({"step": step, "world_size": 2, "files": {}})
-                )
+                (tag / COMPLETE).write_text(json.dumps({"step": step, "world_size": 2, "files": {}}))
     mp.spawn(
         _rank, args=(str(tmp_path / "store"), str(dataset), str(ckpts), str(tmp_path)), nprocs=2, join=True
     )

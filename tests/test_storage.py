@@ -36,12 +36,13 @@ def test_store_round_trips_files_and_folders_on_s3(s3, tmp_path):
 
 @pytest.mark.unit
 def test_a_node_fetches_what_its_ranks_read_and_keeps_what_it_holds(s3, tmp_path):
-    """checkpoint.fetch at the world size that saved the tag: ranks 2 and 3 of 4 get their own ZeRO
+    """transfer.fetch at the world size that saved the tag: ranks 2 and 3 of 4 get their own ZeRO
     partitions, RNG states and EMA shares and the model states, not ranks 0-1's; a file already held with
     the right bytes is not fetched again, a damaged one is; on another world size, the whole tag."""
     import hashlib
 
-    from pipeline.train.checkpoint import COMPLETE, fetch, files_read
+    from pipeline.train.tag import COMPLETE, files_read
+    from pipeline.train.transfer import fetch
 
     store = Store(s3("fetch"))
     names = [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(4)]

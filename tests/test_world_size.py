@@ -20,9 +20,10 @@ from pipeline.config import load_config
 from pipeline.train import checkpoint
 from pipeline.train.engine import lr_multiplier, peak_lr
 from pipeline.train.loop import keep_global_batch, lr_rescale
+from pipeline.train.tag import COMPLETE, tag_for
 
 STAGES = (0, 1, 2, 3)
-TAG = checkpoint.tag_for(4)
+TAG = tag_for(4)
 
 
 def moments(tag_dir: Path) -> dict[str, torch.Tensor]:
@@ -67,8 +68,8 @@ def check(out: Path, stage: int, ranks_after: int, accum_after: int) -> None:
     root = out / f"zero{stage}"
     saved = root / "switch/checkpoints" / TAG
     resaved = root / "at4/checkpoints" / TAG
-    assert json.loads((saved / checkpoint.COMPLETE).read_text())["world_size"] != ranks_after
-    assert json.loads((resaved / checkpoint.COMPLETE).read_text())["world_size"] == ranks_after
+    assert json.loads((saved / COMPLETE).read_text())["world_size"] != ranks_after
+    assert json.loads((resaved / COMPLETE).read_text())["world_size"] == ranks_after
 
     # Weights and optimizer moments loaded on the new world size are the saved ones, bit for bit.
     before, after = moments(saved), moments(resaved)
@@ -78,7 +79,7 @@ def check(out: Path, stage: int, ranks_after: int, accum_after: int) -> None:
     exported = weights(root / "at4")
     # The weight EMA saved by the other world size, loaded on this one, exported at once: the saved one.
     ema_files = sorted(saved.glob("ema_rank_*_fp32.safetensors"))
-    assert len(ema_files) == json.loads((saved / checkpoint.COMPLETE).read_text())["world_size"]
+    assert len(ema_files) == json.loads((saved / COMPLETE).read_text())["world_size"]
     assert len(list(resaved.glob("ema_rank_*_fp32.safetensors"))) == ranks_after
     saved_ema, ema = assembled(ema_files), ema_weights(root / "at4")
     assert saved_ema.keys() <= ema.keys() and len(saved_ema) > 20
@@ -95,8 +96,8 @@ def check(out: Path, stage: int, ranks_after: int, accum_after: int) -> None:
             assert torch.equal(tensor.to(reference.dtype), reference), name
 
     # The stream was re-dealt at step 4 with grad_accum adjusted: the global batch stays 32.
-    final = root / "switch/checkpoints" / checkpoint.tag_for(8)
-    record = json.loads((final / checkpoint.COMPLETE).read_text())
+    final = root / "switch/checkpoints" / tag_for(8)
+    record = json.loads((final / COMPLETE).read_text())
     assert (record["world_size"], record["grad_accum"], record["global_batch"]) == (
         ranks_after,
         accum_after,
@@ -229,10 +230,7 @@ def test_a_world_size_no_grad_accum_fits_runs_the_nearest_global_batch_with_the_
     torchrun(*args, "debug.stop_at_step=6", nproc=2)
     torchrun(*args, nproc=1)
     run = tmp_path / "zero2/go"
-    records = {
-        s: json.loads((run / "checkpoints" / checkpoint.tag_for(s) / checkpoint.COMPLETE).read_text())
-        for s in (4, 6, 8)
-    }
+    records = {s: json.loads((run / "checkpoints" / tag_for(s) / COMPLETE).read_text()) for s in (4, 6, 8)}
     shape = {
         s: tuple(r[k] for k in ("world_size", "grad_accum", "global_batch", "target_global_batch"))
         for s, r in records.items()

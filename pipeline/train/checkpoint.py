@@ -1,13 +1,7 @@
-"""Checkpoints that survive restarts: what a tag holds, and resuming from the newest complete one.
+"""Resuming from the newest complete checkpoint, on as many ranks as saved it or on another number.
 
-Saving (every rank, the files written and uploaded beside training): `pipeline.train.saving`.
-
-    ckpt_dir/step_00000040/   DeepSpeed's files (mp_rank_00_model_states.pt, zero_pp_rank_R_*...)
-                              rank_R.pt        this rank's RNG states; rank 0's also the stage's data-stream position
-                              ema_rank_R_fp32.safetensors  its share of the weight EMA (optim.ema_decay)
-                              COMPLETE.json    written by rank 0 after every rank's files are on disk:
-                                               the file list with sizes, and the sha256 of each
-    ckpt_dir/latest           the newest complete tag, replaced atomically (write tmp, rename)
+What a tag holds: `pipeline.train.tag`. Saving (every rank, the files written and uploaded beside training):
+`pipeline.train.saving`. Downloads from the bucket: `pipeline.train.transfer`.
 
 Resume walks the tags newest first and takes the first one that is complete and whose files match
 COMPLETE.json; a newest checkpoint cut short or corrupted is skipped with a warning. All ranks walk one
@@ -24,7 +18,7 @@ ZeRO 0-2 read rank 0's model states on every rank, which only a shared disk or `
 With a remote store (`checkpoint.uri`: s3://, gs://, ...), each rank uploads the files it wrote, and
 rank 0 uploads COMPLETE.json and then `latest` once every rank has: a remote tag without
 COMPLETE.json is a save cut short. Resume takes remote tags into the same walk: where a node's copy
-is missing or broken, its first local rank fetches what the node's ranks read (`fetch`: at the world size
+is missing or broken, its first local rank fetches what the node's ranks read (`transfer.fetch`: at the world size
 that saved it, their own files and the model states, several at once; at another, the whole tag), so a
 run resumes on machines that never saw its earlier steps.
 
@@ -52,43 +46,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from data_prep import atomic
 from data_prep.storage import Store
 from data_prep.tario import file_sha256
+from pipeline.train.tag import COMPLETE, UNIVERSAL, files_read, read_record, set_rng_state
+from pipeline.train.transfer import fetch, remote_tags
 
 log = logging.getLogger(__name__)
-
-COMPLETE = "COMPLETE.json"
-LATEST = "latest"
-UNIVERSAL = "universal"
-DOWNLOADS = 8  # files of a tag fetched at once by a node
-
-
-def tag_for(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def rng_state() -> dict:
-    """This rank's random states. CUDA: the rank's own device only (the current one), so a resume on a
-    node with another GPU count restores it; a list of every visible device's state would not fit there."""
-    return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-    }
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    cuda = state["cuda"]
-    if isinstance(cuda, list):  # written before: every visible device's state; this rank's is its own
-        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
-        cuda = cuda[index] if index < len(cuda) else None
-    if cuda is not None and torch.cuda.is_available():  # saved on CPU or resumed on CPU: nothing to restore
-        torch.cuda.set_rng_state(cuda)
 
 
 @dataclass
@@ -97,70 +60,6 @@ class Restored:
     tag: str
     extra: dict  # the stage's saved extra state (data-stream position, ...): rank 0's, on every rank
     saved_by: int = 0  # the number of ranks that saved it
-
-
-def owned_by(name: str, rank: int) -> bool:
-    """Whether `rank` wrote this file of a tag: its ZeRO shards and RNG state; rank 0 also the model states."""
-    if f"rank_{rank}_" in name or name == f"rank_{rank}.pt":
-        return True
-    return rank == 0 and not any(
-        f"rank_{r}_" in name or name == f"rank_{r}.pt" for r in range(1, dist.get_world_size())
-    )
-
-
-def stale_tags(tags: list[str], tag: str, keep_last: int) -> list[str]:
-    """Which of `tags` to delete once `tag` is complete: all but `tag` and the keep_last - 1 newest before
-    it. Tags newer than `tag` stay (a resume skipped them; they are evidence, and the save overwrites its
-    own tag anyway)."""
-    older = sorted(t for t in tags if t.startswith("step_") and t < tag)
-    return older[: max(0, len(older) - (keep_last - 1))]
-
-
-def prune_local(ckpt_dir: Path, tag: str, keep_last: int) -> None:
-    for old in stale_tags([p.name for p in ckpt_dir.glob("step_*") if p.is_dir()], tag, keep_last):
-        shutil.rmtree(ckpt_dir / old, ignore_errors=True)  # another node may prune a shared disk too
-
-
-def _record(tag_dir: Path) -> dict | None:
-    try:
-        return json.loads((tag_dir / COMPLETE).read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
-def files_read(record: dict, ranks: list[int], world_size: int) -> list[str]:
-    """The files of a tag (its COMPLETE.json `record`) that `ranks` read when they resume on `world_size`
-    ranks: at the world size that saved it, each its own (ZeRO partition, RNG state, EMA share) and the
-    model states; at another, every file (the universal conversion reads them all)."""
-    if record["world_size"] != world_size:
-        return list(record["files"])
-    own = tuple(f"rank_{r}_" for r in ranks)
-    states = {f"rank_{r}.pt" for r in ranks}
-    return [n for n in record["files"] if n.startswith("mp_rank_") or n in states or any(o in n for o in own)]
-
-
-def fetch(store: Store, tag_dir: Path, ranks: list[int], world_size: int) -> tuple[int, int]:
-    """Download from `store` what this node's `ranks` read of the tag (`files_read`), several files at
-    once, leaving the files already here that match COMPLETE.json; COMPLETE.json last (a fetch cut short
-    is a tag without it, or one whose files do not match it). Returns (bytes fetched, bytes of the tag)."""
-    tag = tag_dir.name
-    record = json.loads(store.read_text(f"{tag}/{COMPLETE}"))
-    files = record["files"]
-    wanted = files_read(record, ranks, world_size)
-    (tag_dir / COMPLETE).unlink(missing_ok=True)
-
-    def held(name: str) -> bool:
-        path = tag_dir / name
-        return (
-            path.is_file()
-            and path.stat().st_size == files[name]["bytes"]
-            and file_sha256(path) == files[name]["sha256"]
-        )
-
-    missing = [n for n in wanted if not held(n)]
-    store.download_files(tag, missing, tag_dir, workers=DOWNLOADS)
-    atomic.write_text(tag_dir / COMPLETE, json.dumps(record, indent=1))
-    return sum(files[n]["bytes"] for n in missing), sum(f["bytes"] for f in files.values())
 
 
 def verify(tag_dir: Path, rank: int, world_size: int, local_rank: int = 0) -> str | None:
@@ -247,21 +146,6 @@ def all_agree(ok: bool, group=None) -> bool:
     return bool(flag.item())
 
 
-def _remote_tags(store: Store | None, rank: int, group, broadcast: bool = True) -> list[str]:
-    """Tags on the store that have COMPLETE.json, listed by rank 0 and broadcast (one listing, one view)."""
-    if store is None:
-        return []
-    box = [
-        sorted(t for t in store.list_dirs() if t.startswith("step_") and store.exists(f"{t}/{COMPLETE}"))
-        if rank == 0
-        else None
-    ]
-    if not broadcast:
-        return box[0]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
-
-
 def _load(engine, ckpt_dir: Path, tag_dir: Path, universal: Path | None, load_optimizer: bool):
     loaded = _load_tag(engine, ckpt_dir, tag_dir, universal, load_optimizer)
     refresh = getattr(engine.optimizer, "refresh_fp32_params", None)
@@ -304,20 +188,20 @@ def reseed(seed: int, step: int, rank: int) -> None:
     torch.manual_seed(int(entropy[2]) << 32 | int(entropy[3]))
 
 
-def newest_record(ckpt_dir: Path, store: Store | None, rank: int, group=None) -> dict | None:
+def newestread_record(ckpt_dir: Path, store: Store | None, rank: int, group=None) -> dict | None:
     """COMPLETE.json of the newest complete tag on any node's disk or on the store (the same on every rank),
     or None: what the stage will resume from, read before its engine is built. The ranks gather tag names
     only (bytes per rank O(ranks x a name)); the lowest rank that holds the chosen tag broadcasts its record."""
     found: tuple[str, dict] | None = None
     if ckpt_dir.is_dir():
         for tag in sorted((p.name for p in ckpt_dir.glob("step_*") if p.is_dir()), reverse=True):
-            record = _record(ckpt_dir / tag)
+            record = read_record(ckpt_dir / tag)
             if record is not None:
                 found = (tag, record)
                 break
     if rank == 0 and store is not None:
         try:  # raised here, the other ranks would wait in the gather below
-            stored = _remote_tags(store, 0, None, broadcast=False)
+            stored = remote_tags(store, 0, None, broadcast=False)
             if stored and (found is None or stored[-1] > found[0]):
                 found = (stored[-1], json.loads(store.read_text(f"{stored[-1]}/{COMPLETE}")))
         except Exception as exc:
@@ -351,7 +235,7 @@ def resume(
     (`to_universal`), and every rank loads its own partition of weights and optimizer states from that.
     Each rank's random states then restart from (seed, step, rank); the data-stream position comes from
     rank 0's state, which describes the whole stream (`pipeline.data.deal`)."""
-    remote = set(_remote_tags(store, rank, group))
+    remote = set(remote_tags(store, rank, group))
     local = {p.name for p in ckpt_dir.glob("step_*") if p.is_dir()} if ckpt_dir.is_dir() else set()
     # Every rank walks the same list, else the ranks pair up different collectives and hang: nodes that
     # share no disk see different local tags.
@@ -388,7 +272,7 @@ def resume(
                     problem or "another rank found it broken",
                 )
             continue
-        saved_by = (_record(tag_dir) or {}).get("world_size", world_size)
+        saved_by = (read_record(tag_dir) or {}).get("world_size", world_size)
         counts: list = [None] * dist.get_world_size()
         dist.all_gather_object(counts, saved_by, group=group)
         if len(set(counts)) > 1:  # a node holds another save of this tag: no rank may take another load path

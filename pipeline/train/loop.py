@@ -46,6 +46,7 @@ from pipeline.train.ema import WeightEma
 from pipeline.train.engine import build_engine, consolidated_state_dict, peak_lr
 from pipeline.train.export import export_weights
 from pipeline.train.saving import Checkpointer
+from pipeline.train.tag import tag_for
 
 log = logging.getLogger(__name__)
 STOP_FILE = "STOP"
@@ -533,7 +534,7 @@ class Trainer:
                         stopped_early = True
                         if ctx.is_main:
                             print(
-                                f"stopped at step {done}: checkpoint {self.ckpt_dir / checkpoint.tag_for(done)}",
+                                f"stopped at step {done}: checkpoint {self.ckpt_dir / tag_for(done)}",
                                 flush=True,
                             )
                         # A signal ends the process (torchrun, a scheduler); a STOP file ends the stage (Ray).
@@ -572,7 +573,7 @@ class Trainer:
     def finish(self, stopped_early: bool) -> StageResult:
         cfg, ctx, store, tracker = self.cfg, self.ctx, self.store, self.tracker
         export_path = None
-        final_dir = self.ckpt_dir / checkpoint.tag_for(cfg.optim.steps)
+        final_dir = self.ckpt_dir / tag_for(cfg.optim.steps)
         if not stopped_early:
             final_dir = self.save(cfg.optim.steps)
             if cfg.checkpoint.export:

@@ -22,7 +22,7 @@ A failure on any rank (a full disk, a refused upload) leaves the tag incomplete 
 the next `save`) raises it on every rank with the rank that failed. `asynchronous=False` runs the same
 steps on the calling thread (and the control group), so `save` returns with the tag complete.
 
-What the layout of a tag is, and how a resume reads it: `pipeline.train.checkpoint`.
+What the layout of a tag is: `pipeline.train.tag`; how a resume reads it: `pipeline.train.checkpoint`.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngi
 from data_prep import atomic
 from data_prep.storage import Store
 from data_prep.tario import file_sha256
-from pipeline.train.checkpoint import COMPLETE, LATEST, owned_by, prune_local, rng_state, stale_tags, tag_for
+from pipeline.train.tag import COMPLETE, LATEST, owned_by, prune_local, rng_state, stale_tags, tag_for
 
 log = logging.getLogger(__name__)
 

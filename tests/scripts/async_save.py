@@ -32,6 +32,7 @@ from pipeline.models import create_model
 from pipeline.train import checkpoint
 from pipeline.train.engine import build_engine, consolidated_state_dict
 from pipeline.train.saving import Checkpointer, CheckpointError
+from pipeline.train.tag import COMPLETE, LATEST, tag_for
 
 
 class HeldStore(Store):
@@ -88,15 +89,15 @@ def main() -> None:
 
     def complete(tag: str) -> dict:
         return {
-            "local": (ckpt_dir / tag / checkpoint.COMPLETE).is_file(),
-            "stored": store.exists(f"{tag}/{checkpoint.COMPLETE}"),
+            "local": (ckpt_dir / tag / COMPLETE).is_file(),
+            "stored": store.exists(f"{tag}/{COMPLETE}"),
         }
 
     seen: dict = {}
     if mode == "go":
         step()
         w1 = consolidated_state_dict(engine)
-        store.hold = checkpoint.tag_for(1)
+        store.hold = tag_for(1)
         saver.save(1, {"step": 1})
         store.holding.wait()
         seen["in_flight"] = saver.in_flight
@@ -107,16 +108,16 @@ def main() -> None:
         dist.barrier()
         store.release.set()
         saver.wait()
-        seen["complete_after"] = complete(checkpoint.tag_for(1))
-        store.hold, store.fail = None, checkpoint.tag_for(3) if ctx.rank == 1 else None
+        seen["complete_after"] = complete(tag_for(1))
+        store.hold, store.fail = None, tag_for(3) if ctx.rank == 1 else None
         saver.save(3, {"step": 3})
         try:
             saver.wait()
             seen["failure"] = None
         except CheckpointError as exc:
             seen["failure"] = str(exc)
-        seen["complete_failed"] = complete(checkpoint.tag_for(3))
-        seen["latest"] = [(ckpt_dir / checkpoint.LATEST).read_text(), store.read_text(checkpoint.LATEST)]
+        seen["complete_failed"] = complete(tag_for(3))
+        seen["latest"] = [(ckpt_dir / LATEST).read_text(), store.read_text(LATEST)]
         restored = checkpoint.resume(engine, ckpt_dir, ctx.rank, ctx.world_size, store=store)
         w = consolidated_state_dict(engine)
         seen["restored"] = [restored.step, restored.extra]
@@ -126,7 +127,7 @@ def main() -> None:
         saver.save(1, {"step": 1})
         saver.wait()
         step()
-        store.hold = checkpoint.tag_for(2)
+        store.hold = tag_for(2)
         saver.save(2, {"step": 2})
         store.holding.wait()  # this rank's files of step 2 are on its disk, its upload under way
         dist.barrier()

@@ -1,0 +1,96 @@
+"""What a checkpoint tag holds: its files, its record, its RNG states, and which rank wrote what.
+
+    ckpt_dir/step_00000040/   DeepSpeed's files (mp_rank_00_model_states.pt, zero_pp_rank_R_*...)
+                              rank_R.pt        this rank's RNG states; rank 0's also the stage's data-stream position
+                              ema_rank_R_fp32.safetensors  its share of the weight EMA (optim.ema_decay)
+                              COMPLETE.json    written by rank 0 after every rank's files are on disk:
+                                               the file list with sizes, and the sha256 of each
+                              universal/       DeepSpeed's universal checkpoint of it, made at a resume on
+                                               another number of ranks (`checkpoint.to_universal`)
+    ckpt_dir/latest           the newest complete tag, replaced atomically (write tmp, rename)
+
+Saving: `pipeline.train.saving`. Resuming: `pipeline.train.checkpoint`. Moving tags to and from a bucket:
+`pipeline.train.transfer`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+COMPLETE = "COMPLETE.json"
+LATEST = "latest"
+UNIVERSAL = "universal"
+
+
+def tag_for(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def rng_state() -> dict:
+    """This rank's random states. CUDA: the rank's own device only (the current one), so a resume on a
+    node with another GPU count restores it; a list of every visible device's state would not fit there."""
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    cuda = state["cuda"]
+    if isinstance(cuda, list):  # written before: every visible device's state; this rank's is its own
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        cuda = cuda[index] if index < len(cuda) else None
+    if cuda is not None and torch.cuda.is_available():  # saved on CPU or resumed on CPU: nothing to restore
+        torch.cuda.set_rng_state(cuda)
+
+
+def owned_by(name: str, rank: int) -> bool:
+    """Whether `rank` wrote this file of a tag: its ZeRO shards and RNG state; rank 0 also the model states."""
+    if f"rank_{rank}_" in name or name == f"rank_{rank}.pt":
+        return True
+    return rank == 0 and not any(
+        f"rank_{r}_" in name or name == f"rank_{r}.pt" for r in range(1, dist.get_world_size())
+    )
+
+
+def stale_tags(tags: list[str], tag: str, keep_last: int) -> list[str]:
+    """Which of `tags` to delete once `tag` is complete: all but `tag` and the keep_last - 1 newest before
+    it. Tags newer than `tag` stay (a resume skipped them; they are evidence, and the save overwrites its
+    own tag anyway)."""
+    older = sorted(t for t in tags if t.startswith("step_") and t < tag)
+    return older[: max(0, len(older) - (keep_last - 1))]
+
+
+def prune_local(ckpt_dir: Path, tag: str, keep_last: int) -> None:
+    for old in stale_tags([p.name for p in ckpt_dir.glob("step_*") if p.is_dir()], tag, keep_last):
+        shutil.rmtree(ckpt_dir / old, ignore_errors=True)  # another node may prune a shared disk too
+
+
+def read_record(tag_dir: Path) -> dict | None:
+    try:
+        return json.loads((tag_dir / COMPLETE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def files_read(record: dict, ranks: list[int], world_size: int) -> list[str]:
+    """The files of a tag (its COMPLETE.json `record`) that `ranks` read when they resume on `world_size`
+    ranks: at the world size that saved it, each its own (ZeRO partition, RNG state, EMA share) and the
+    model states; at another, every file (the universal conversion reads them all)."""
+    if record["world_size"] != world_size:
+        return list(record["files"])
+    own = tuple(f"rank_{r}_" for r in ranks)
+    states = {f"rank_{r}.pt" for r in ranks}
+    return [n for n in record["files"] if n.startswith("mp_rank_") or n in states or any(o in n for o in own)]

@@ -1,0 +1,60 @@
+"""Checkpoint tags to and from a bucket (`checkpoint.uri`: s3://, gs://, ...).
+
+Saving uploads each rank's files beside training (`pipeline.train.saving`). At a resume, rank 0 lists the
+tags the bucket holds complete (`remote_tags`), and where a node's copy of the chosen tag is missing or
+broken its first local rank downloads what the node's ranks read (`fetch`, `tag.files_read`): at the world
+size that saved it their own files and the model states, several at once; at another, the whole tag.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch.distributed as dist
+
+from data_prep import atomic
+from data_prep.storage import Store
+from data_prep.tario import file_sha256
+from pipeline.train.tag import COMPLETE, files_read
+
+DOWNLOADS = 8  # files of a tag fetched at once by a node
+
+
+def fetch(store: Store, tag_dir: Path, ranks: list[int], world_size: int) -> tuple[int, int]:
+    """Download from `store` what this node's `ranks` read of the tag (`files_read`), several files at
+    once, leaving the files already here that match COMPLETE.json; COMPLETE.json last (a fetch cut short
+    is a tag without it, or one whose files do not match it). Returns (bytes fetched, bytes of the tag)."""
+    tag = tag_dir.name
+    record = json.loads(store.read_text(f"{tag}/{COMPLETE}"))
+    files = record["files"]
+    wanted = files_read(record, ranks, world_size)
+    (tag_dir / COMPLETE).unlink(missing_ok=True)
+
+    def held(name: str) -> bool:
+        path = tag_dir / name
+        return (
+            path.is_file()
+            and path.stat().st_size == files[name]["bytes"]
+            and file_sha256(path) == files[name]["sha256"]
+        )
+
+    missing = [n for n in wanted if not held(n)]
+    store.download_files(tag, missing, tag_dir, workers=DOWNLOADS)
+    atomic.write_text(tag_dir / COMPLETE, json.dumps(record, indent=1))
+    return sum(files[n]["bytes"] for n in missing), sum(f["bytes"] for f in files.values())
+
+
+def remote_tags(store: Store | None, rank: int, group, broadcast: bool = True) -> list[str]:
+    """Tags on the store that have COMPLETE.json, listed by rank 0 and broadcast (one listing, one view)."""
+    if store is None:
+        return []
+    box = [
+        sorted(t for t in store.list_dirs() if t.startswith("step_") and store.exists(f"{t}/{COMPLETE}"))
+        if rank == 0
+        else None
+    ]
+    if not broadcast:
+        return box[0]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
