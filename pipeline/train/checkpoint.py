@@ -188,7 +188,7 @@ def reseed(seed: int, step: int, rank: int) -> None:
     torch.manual_seed(int(entropy[2]) << 32 | int(entropy[3]))
 
 
-def newestread_record(ckpt_dir: Path, store: Store | None, rank: int, group=None) -> dict | None:
+def newest_record(ckpt_dir: Path, store: Store | None, rank: int, group=None) -> dict | None:
     """COMPLETE.json of the newest complete tag on any node's disk or on the store (the same on every rank),
     or None: what the stage will resume from, read before its engine is built. The ranks gather tag names
     only (bytes per rank O(ranks x a name)); the lowest rank that holds the chosen tag broadcasts its record."""
