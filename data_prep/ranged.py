@@ -63,6 +63,7 @@ SLICE_ROWS = 1024  # row groups of a bucket file: a shard's read is its rows and
 # In .work/ itself, beside job.json, which stays: on object stores pyarrow puts an empty marker object for a
 # folder emptied by deletes.
 PLAN = f"{WORK}/plan"
+MANIFEST_COPY = f"{PLAN}_manifest.parquet"  # for --ray into a bucket (`RangedPlanner.make`)
 
 ITEM_SCHEMA = pa.schema(
     [
@@ -341,6 +342,11 @@ class RangedPlanner:
             Range(i, (a, b), first, rows) for i, (a, b, first, rows) in enumerate(source.ranges(RANGE_ROWS))
         ]
         total = sum(r.rows for r in ranges)
+        if opts.use_ray and root.remote:
+            # Ray tasks may run on nodes that see only their own disk and the bucket: they read the manifest's
+            # row groups from a copy beside the dataset (one streamed upload; no row is parsed here).
+            root.store.upload(source.path, MANIFEST_COPY)
+            source.copy = (root.location, MANIFEST_COPY)
         plan = Plan(
             source,
             root.location,
@@ -437,6 +443,7 @@ class RangedPlanner:
     def clean(self) -> None:
         """Remove the plan's parts (the dataset is complete)."""
         out = self.plan.out
+        out.delete(MANIFEST_COPY)
         for r in self.range_markers:
             for suffix in ("parquet", "errors.parquet", "json"):
                 out.delete(range_rel(r, suffix))

@@ -224,3 +224,27 @@ def test_index_and_errors_are_the_same_files_from_one_part_or_one_per_shard(inpu
     assert errors[-1]["shard"].startswith("train/") or errors[-1]["shard"].startswith("val/")
     assert one.reasons == per_shard.reasons and sum(per_shard.reasons.values()) == 5
     assert not list((tmp_path / "per_shard" / ".work").glob("*_part_*"))  # the parts are gone
+
+
+def test_a_node_without_the_manifest_on_its_disk_reads_the_copy_in_the_bucket(inputs, tmp_path, s3):
+    """With --ray into a bucket the driver publishes the manifest beside the dataset; a task on a node whose
+    disk lacks the manifest's path reads the tally and the rows from that copy, the same ones."""
+    import shutil
+
+    from data_prep.dataset_dir import DatasetDir
+
+    parquet, _ = inputs
+    local = tmp_path / "manifest.parquet"
+    shutil.copy(parquet, local)
+    source = ManifestSource(local)
+    root = DatasetDir(s3("ranged-copy/ds"))
+    planner = ranged.RangedPlanner.make(source, root, "", "job", BuildOptions(use_ray=True, max_count=16))
+    (whole,) = planner.ranges
+    expected = list(source.list_rows(whole.groups, whole.first_row))
+    tally = source.tally_rows(whole.groups)[0]
+    local.unlink()  # the task's node: not on its disk
+    assert source.copy == (root.location, ranged.MANIFEST_COPY)
+    assert list(source.list_rows(whole.groups, whole.first_row)) == expected and len(expected) == ROWS
+    assert source.tally_rows(whole.groups)[0].names == tally.names == {"bird", "cat", "dog"}
+    planner.clean()
+    assert root.size(ranged.MANIFEST_COPY) is None  # gone with the plan's parts

@@ -32,7 +32,7 @@ from data_prep.layout import DatasetError, check_box
 from data_prep.sources import Item, ListingError
 from data_prep.sources.files import FileLoader, file_item, uri_item
 from data_prep.sources.labels import LabelSpace, LabelTally, UnknownLabel, parse_label_list
-from data_prep.storage import is_uri
+from data_prep.storage import Store, is_uri
 
 BATCH_ROWS = 8192
 
@@ -84,6 +84,9 @@ class ManifestSource:
         self._space = LabelSpace.infer((), classes) if classes is not None else None
         self._box_space: LabelSpace | None = None
         self.has_boxes = "boxes" in columns
+        # (store URI, relative path) of a copy every node reads where the manifest's own path is not on its
+        # disk: `data_prep.ranged` publishes one beside a bucket dataset for `--ray` (nodes with own disks).
+        self.copy: tuple[str, str] | None = None
         if ("boxes" in columns) != ("box_labels" in columns):
             raise DatasetError(
                 f"{path}: detection needs both a 'boxes' column ([[x, y, w, h], ...] per image) and a "
@@ -94,6 +97,13 @@ class ManifestSource:
             self._box_space = LabelSpace.infer((), box_classes) if box_classes is not None else None
         elif box_classes is not None:
             raise DatasetError(f"{path}: --box-classes given, but the manifest has no 'boxes' column")
+
+    def _parquet_file(self) -> pq.ParquetFile:
+        """The Parquet manifest; on a node that does not see its path, the copy in object storage (range
+        reads: the footer and the row groups asked for)."""
+        if self.copy is not None and not self.path.is_file():
+            return pq.ParquetFile(Store(self.copy[0]).open_file(self.copy[1]))
+        return pq.ParquetFile(self.path)
 
     @property
     def space(self) -> LabelSpace:
@@ -138,7 +148,7 @@ class ManifestSource:
         `rows_per_range` rows (at least one group each), from the footer alone; None for a CSV manifest."""
         if not self.parquet:
             return None
-        meta = pq.ParquetFile(self.path).metadata
+        meta = self._parquet_file().metadata
         out, start, first, rows = [], 0, 0, 0
         for g in range(meta.num_row_groups):
             rows += meta.row_group(g).num_rows
@@ -192,7 +202,7 @@ class ManifestSource:
     ) -> Iterator[dict[str, list]]:
         try:
             if self.parquet:
-                batches = pq.ParquetFile(self.path).iter_batches(
+                batches = self._parquet_file().iter_batches(
                     batch_size=BATCH_ROWS,
                     columns=columns,
                     row_groups=None if groups is None else range(*groups),
