@@ -15,7 +15,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
-from scipy.optimize import linear_sum_assignment
 
 DETR_WEIGHTS = (1.0, 5.0, 2.0)  # class, L1, generalized IoU: DETR's cost and loss weights
 
@@ -83,6 +82,8 @@ def match_costs(
 def assign(costs: np.ndarray, target_classes: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per image, the (query rows, target rows) of the cheapest one-to-one assignment of its real targets
     (class >= 0) to queries: costs [B, Q, M] and classes [B, M] on the host."""
+    from scipy.optimize import linear_sum_assignment  # scipy's import: 0.2 s, for detection only
+
     out = []
     for cost, classes in zip(costs, target_classes):
         real = np.flatnonzero(classes >= 0)

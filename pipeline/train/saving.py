@@ -40,13 +40,18 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
-from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 
 from data_prep import atomic
 from data_prep.storage import Store
 from data_prep.tario import file_sha256
+from pipeline.distributed import deepspeed_module
 from pipeline.train.tag import COMPLETE, LATEST, owned_by, prune_local, rng_state, stale_tags, tag_for
+
+# DeepSpeed imported as every rank needs it (without the mlflow import of its autotuner: 0.9 s of CPU per
+# process) before the names below are taken from it; this module is the first of a rank's to import it.
+deepspeed_module()
+from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine  # noqa: E402
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine  # noqa: E402
 
 log = logging.getLogger(__name__)
 
