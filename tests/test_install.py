@@ -401,6 +401,27 @@ def test_deepspeed_is_imported_without_mlflow_and_mlflow_still_imports_after():
     assert proc.stdout.split() == ["True", "False", "False", "False", "mlflow"], proc.stdout
 
 
+def test_deepspeed_muon_is_imported_without_compiling_and_compile_still_works():
+    """DeepSpeed's ZeRO optimizers import its Muon optimizer, whose kernels `torch.compile` decorates at
+    import (inductor loads: 1.1 s of CPU per rank). The engine's import takes it with dynamo off; dynamo is
+    on again after, for `model.compile`."""
+    code = (
+        "import os, sys, torch\n"
+        "from pipeline.distributed import MUON, deepspeed_module\n"
+        "deepspeed_module()\n"
+        "print(MUON in sys.modules, 'torch._inductor.compile_fx' in sys.modules, 'TORCHDYNAMO_DISABLE' in os.environ)\n"
+        "from torch._dynamo.utils import counters\n"
+        "f = torch.compile(lambda x: x * 2 + 1, backend='eager')\n"
+        "print(f(torch.ones(2)).tolist() == [3.0, 3.0], counters['stats']['unique_graphs'])\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "DS_ACCELERATOR": "cpu"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["True", "False", "False", "True", "1"], proc.stdout
+
+
 def _imported(path: Path) -> set[str]:
     """The modules a source file imports (absolute imports; the package's own are all absolute)."""
     import ast

@@ -35,6 +35,7 @@ LAZY_IMPORTS = {
     "matplotlib": "only the analysis figures draw anything",
     "sklearn": "only `vitpipe shard digits` reads its bundled digits",
     "pyarrow": "`verify` workers are spawned per shard and never read Parquet; only the index check does",
+    "scipy": "0.2 s in every rank that imports the objectives; only detection's box matching uses it",
     "torchvision": "an optional GPU extra (it must match the CUDA torch); only data.decode: cuda decodes with it",
 }
 
