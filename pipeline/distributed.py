@@ -5,7 +5,6 @@ Below `train/` and `eval/`, which both start from it (`pipeline.stage`)."""
 from __future__ import annotations
 
 import gc
-import importlib
 import os
 import sys
 from dataclasses import dataclass
@@ -29,9 +28,6 @@ class DistContext:
         return self.rank == 0
 
 
-MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
-
-
 def deepspeed_module():
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     if "deepspeed" not in sys.modules and "mlflow" not in sys.modules:
@@ -48,23 +44,6 @@ def deepspeed_module():
     import deepspeed
     import deepspeed.ops
 
-    if MUON not in sys.modules:
-        # DeepSpeed's ZeRO and bf16 optimizers import its Muon optimizer (for type checks) when they are built
-        # or first reduce; the import decorates Muon's kernels with `torch.compile`, which loads inductor:
-        # 1.1 s of CPU per rank here. The pipeline never runs Muon: import it with dynamo off, so those
-        # decorators are no-ops (Muon would run eagerly). Nothing else is compiled meanwhile (model.compile
-        # compiles after the engine is built).
-        before = os.environ.get("TORCHDYNAMO_DISABLE")
-        os.environ["TORCHDYNAMO_DISABLE"] = "1"
-        try:
-            importlib.import_module(MUON)
-        except ImportError:  # a DeepSpeed without Muon
-            pass
-        finally:
-            if before is None:
-                del os.environ["TORCHDYNAMO_DISABLE"]
-            else:
-                os.environ["TORCHDYNAMO_DISABLE"] = before
     if os.environ["DS_ACCELERATOR"] == "cpu" and "__compatible_ops__" not in vars(deepspeed.ops):
         # DeepSpeed's CPU communication backend JIT-compiles its shared-memory all-reduce op
         # (deepspeed_shm_comm, C++) at every process-group start, after probing every op's compatibility

@@ -403,12 +403,14 @@ def test_deepspeed_is_imported_without_mlflow_and_mlflow_still_imports_after():
 
 def test_deepspeed_muon_is_imported_without_compiling_and_compile_still_works():
     """DeepSpeed's ZeRO optimizers import its Muon optimizer, whose kernels `torch.compile` decorates at
-    import (inductor loads: 1.1 s of CPU per rank). The engine's import takes it with dynamo off; dynamo is
-    on again after, for `model.compile`."""
+    import (inductor loads: 1.1 s of CPU per rank). The engine builder imports it with dynamo off; dynamo
+    is on again after, for `model.compile`."""
     code = (
         "import os, sys, torch\n"
-        "from pipeline.distributed import MUON, deepspeed_module\n"
+        "from pipeline.distributed import deepspeed_module\n"
+        "from pipeline.train.engine import MUON, import_muon_uncompiled\n"
         "deepspeed_module()\n"
+        "import_muon_uncompiled()\n"
         "print(MUON in sys.modules, 'torch._inductor.compile_fx' in sys.modules, 'TORCHDYNAMO_DISABLE' in os.environ)\n"
         "from torch._dynamo.utils import counters\n"
         "f = torch.compile(lambda x: x * 2 + 1, backend='eager')\n"

@@ -17,7 +17,10 @@ GPU defaults (`deepspeed_config`, `build_engine`):
 
 from __future__ import annotations
 
+import importlib
 import math
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -133,8 +136,33 @@ def lr_multiplier(step: int, warmup: int, total: int, schedule: str) -> float:
     return 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
 
 
+MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def import_muon_uncompiled() -> None:
+    """DeepSpeed's ZeRO and bf16 optimizers import its Muon optimizer (for type checks) when they are built or
+    first reduce; the import decorates Muon's kernels with `torch.compile`, which loads inductor: 1.1 s of CPU
+    per rank here. The pipeline never runs Muon: it is imported with dynamo off, so those decorators are
+    no-ops (Muon would run eagerly). Nothing else compiles meanwhile (`model.compile` compiles after the
+    engine is built). Eval stages build no optimizer and never import it."""
+    if MUON in sys.modules:
+        return
+    before = os.environ.get("TORCHDYNAMO_DISABLE")
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    try:
+        importlib.import_module(MUON)
+    except ImportError:  # a DeepSpeed without Muon
+        pass
+    finally:
+        if before is None:
+            del os.environ["TORCHDYNAMO_DISABLE"]
+        else:
+            os.environ["TORCHDYNAMO_DISABLE"] = before
+
+
 def build_engine(model: nn.Module, cfg: StageConfig, ctx: DistContext):
     deepspeed = deepspeed_module()
+    import_muon_uncompiled()
     use_gpu = ctx.device.type == "cuda"
     o = cfg.optim
 
