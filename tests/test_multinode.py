@@ -35,9 +35,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def nodes(run_root: Path, disks: list[Path], script: str, *args: str, timeout: int = 900) -> list[str]:
-    """`script ARGS` on a torchrun of one node per disk (one rank per node), node K seeing disks[K] at run_root.
-    Returns each node's output; on failure or timeout both nodes' process groups are killed."""
+def nodes(
+    run_root: Path, disks: list[Path], script: str, *args: str, per_node: int = 1, timeout: int = 900
+) -> list[str]:
+    """`script ARGS` on a torchrun of one node per disk (`per_node` ranks each), node K seeing disks[K] at
+    run_root. Returns each node's output; on failure or timeout every node's process group is killed."""
     run_root.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
@@ -50,7 +52,7 @@ def nodes(run_root: Path, disks: list[Path], script: str, *args: str, timeout: i
             "torch.distributed.run",
             f"--nnodes={len(disks)}",
             f"--node-rank={node}",
-            "--nproc-per-node=1",
+            f"--nproc-per-node={per_node}",
             "--master-addr=127.0.0.1",
             f"--master-port={port}",
             script,
@@ -111,40 +113,78 @@ def test_ranks_without_a_shared_disk_prune_their_own_and_agree_on_what_to_resume
     assert not list((disks[0] / "straight" / "checkpoints" / "step_00000008").glob("*rank_1_*"))
 
 
-def test_a_stage_saved_by_two_nodes_goes_on_on_one_and_back_on_two(tmp_path, smoke_dataset, s3):
-    """Nodes on their own disks, checkpoints in a bucket: ZeRO-3 saved by 2 ranks at step 4 resumes on one
-    node (whose disk holds only rank 0's partition: the whole tag comes from the bucket, converted to a
-    universal checkpoint there), stops at step 6 and resumes on two nodes again (node 1's disk never saw
-    step 6). The global batch (32) holds throughout: grad_accum 1 -> 2 -> 1."""
+def bucket_bytes(node_log: str, tag: str) -> int:
+    """What a node's ranks read of checkpoint `tag` from the bucket, from their logs: the files its first
+    local rank fetched whole, each rank's part of the optimizer states, each rank's EMA files."""
+    fetched = re.findall(rf"fetched checkpoint {tag} from \S+ for this node's ranks: (\d+) of", node_log)
+    parts = re.findall(rf"read its part of checkpoint {tag}: (\d+) bytes in \d+ requests", node_log)
+    ema = re.findall(rf"fetched (\d+) bytes of checkpoint {tag}'s weight EMA", node_log)
+    return sum(int(n) for n in fetched + parts + ema)
+
+
+def tag_bytes(disk: Path, tag: str) -> int:
+    record = json.loads((disk / "job/checkpoints" / tag / "COMPLETE.json").read_text())
+    return sum(f["bytes"] for f in record["files"].values())
+
+
+def test_a_stage_saved_by_four_ranks_on_two_nodes_goes_on_on_two_and_on_four_reading_its_share(
+    tmp_path, smoke_dataset, s3
+):
+    """Nodes on their own disks, checkpoints in a bucket, every resume on fresh disks: ZeRO-3 saved by 4 ranks
+    (2 nodes x 2) at step 4 resumes on 2 ranks (2 nodes x 1) to step 6, which resumes on 4 ranks again to 8,
+    which resumes on 4 ranks. At another world size no node downloads the tag: each rank reads its part of
+    the saved optimizer states in byte ranges and the EMA files that hold its share, its node's first rank
+    the small shared files; no universal checkpoint is made. Bytes a node reads from the bucket at each
+    resume: at most 1.5x its share of the tag (the tag's bytes / 2 nodes). The global batch (64) holds
+    throughout: grad_accum 1 -> 2 -> 1."""
     root, out = tmp_path / "run", tmp_path / "shared"
     disks = [tmp_path / "node0", tmp_path / "node1"]
     out.mkdir()
     args = [str(root), str(smoke_dataset), str(out), s3("resize")]
-    nodes(root, disks, "tests/scripts/resize_nodes.py", *args, "debug.stop_at_step=4")
-    (one,) = nodes(root, disks[:1], "tests/scripts/resize_nodes.py", *args, "debug.stop_at_step=6")
-    assert "saved by 2 ranks; resharding it for 1" in one and "grad_accum 1 -> 2" in one, one[-3000:]
-    assert (disks[0] / "job/checkpoints/step_00000004/universal").is_dir()
-    node0, node1 = nodes(root, disks, "tests/scripts/resize_nodes.py", *args)
-    assert "saved by 1 ranks; resharding it for 2" in node0, node0[-3000:]
-    # Node 1's disk never saw step 6 (saved on node 0 alone): it came from the bucket and was converted there.
-    assert (disks[1] / "job/checkpoints/step_00000006/universal").is_dir()
+
+    def fresh_disks() -> None:
+        for d in disks:
+            shutil.rmtree(d / "job/checkpoints", ignore_errors=True)
+
+    nodes(root, disks, "tests/scripts/resize_nodes.py", *args, "debug.stop_at_step=4", per_node=2)
+    whole = {4: tag_bytes(disks[0], "step_00000004")}
+    fresh_disks()
+    two = nodes(root, disks, "tests/scripts/resize_nodes.py", *args, "debug.stop_at_step=6")
+    assert "saved by 4 ranks; resharding it for 2 (each rank reading its part)" in two[0], two[0][-3000:]
+    assert "grad_accum 1 -> 2" in two[0], two[0][-3000:]
+    whole[6] = tag_bytes(disks[0], "step_00000006")
+    fresh_disks()
+    four = nodes(root, disks, "tests/scripts/resize_nodes.py", *args, per_node=2)
+    assert "saved by 2 ranks; resharding it for 4 (each rank reading its part)" in four[0], four[0][-3000:]
+    for logs, tag in ((two, "step_00000004"), (four, "step_00000006")):
+        share = whole[int(tag[-2:])] / len(disks)
+        for node, node_log in enumerate(logs):
+            got = bucket_bytes(node_log, tag)
+            lines = [line for line in node_log.splitlines() if tag in line and "bytes" in line]
+            assert 0.5 * share < got <= 1.5 * share, (tag, node, got, share, lines)
+    for d in disks:
+        assert not list((d / "job/checkpoints").glob("*/universal")), "a universal checkpoint was made"
     records = [json.loads((d / "job/checkpoints/step_00000008/COMPLETE.json").read_text()) for d in disks]
     for record in records:
-        assert (record["world_size"], record["grad_accum"], record["global_batch"]) == (2, 1, 32)
-    # Both nodes replaced by fresh ones (no checkpoints on their disks): at the world size that saved step 8
-    # each node fetches its own rank's files and the small model states, not the whole tag.
-    for d in disks:
-        shutil.rmtree(d / "job/checkpoints")
-    fresh = nodes(root, disks, "tests/scripts/resize_nodes.py", *args)
+        assert (record["world_size"], record["grad_accum"], record["global_batch"]) == (4, 1, 64)
+    # Both nodes replaced by fresh ones: at the world size that saved step 8 each node fetches its own
+    # ranks' files and the small model states, not the whole tag.
+    fresh_disks()
+    fresh = nodes(root, disks, "tests/scripts/resize_nodes.py", *args, per_node=2)
     files = records[0]["files"]
     whole = sum(f["bytes"] for f in files.values())
-    for rank, node_log in enumerate(fresh):
-        own = sum(f["bytes"] for n, f in files.items() if f"rank_{rank}_" in n or n == f"rank_{rank}.pt")
+    for node, node_log in enumerate(fresh):
+        ranks = (2 * node, 2 * node + 1)
+        own = sum(
+            f["bytes"]
+            for n, f in files.items()
+            if any(f"rank_{r}_" in n or n == f"rank_{r}.pt" for r in ranks)
+        )
         fetched = re.search(
             r"fetched checkpoint step_00000008 from \S+ for this node's ranks: (\d+) of its (\d+)", node_log
         )
         assert fetched and int(fetched.group(2)) == whole, node_log[-3000:]
-        assert own <= int(fetched.group(1)) <= 1.5 * own < whole, (rank, int(fetched.group(1)), own, whole)
+        assert own <= int(fetched.group(1)) <= 1.5 * own < whole, (node, int(fetched.group(1)), own, whole)
     from mlflow.tracking import MlflowClient
 
     from pipeline.tracking import RUN_ID_FILE, read_run_id

@@ -53,6 +53,21 @@ def moments(tag_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def hyperparameters(tag_dir: Path) -> list[dict]:
+    """Each optimizer parameter group's settings (weight decay, betas, learning rate) in rank 0's file."""
+    files = sorted(tag_dir.glob("*zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    if not files:  # ZeRO-0: the optimizer lies in the model states
+        state = torch.load(tag_dir / "mp_rank_00_model_states.pt", weights_only=False)["optimizer"]
+        groups = state.get("optimizer_state_dict", state)["param_groups"]
+    else:
+        state = torch.load(files[0], weights_only=False)["optimizer_state_dict"]
+        inner = state.get("base_optimizer_state") or state["optimizer_state_dict"]
+        groups = inner["param_groups"]
+    out = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in groups]
+    assert len(out) == 2 and out[0]["weight_decay"] != out[1]["weight_decay"], out  # no-decay, decay
+    return out
+
+
 def assembled(files: list[Path]) -> dict[str, torch.Tensor]:
     """The whole weight EMA from every rank's file of a tag: each holds [start, stop) of some parameters."""
     out: dict[str, torch.Tensor] = {}
@@ -73,6 +88,9 @@ def check(out: Path, stage: int, ranks_after: int, accum_after: int) -> None:
 
     # Weights and optimizer moments loaded on the new world size are the saved ones, bit for bit.
     before, after = moments(saved), moments(resaved)
+    # So are each parameter group's hyperparameters (DeepSpeed's ZeRO-3 universal loader gave every group
+    # the first's: no weight decay anywhere).
+    assert hyperparameters(saved) == hyperparameters(resaved)
     assert before.keys() == after.keys() and len(before) > 20
     for key in before:
         assert torch.equal(before[key], after[key]), f"ZeRO-{stage}: {key} changed in the reshard"

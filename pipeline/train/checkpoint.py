@@ -48,7 +48,8 @@ import torch.distributed as dist
 
 from data_prep.storage import Store
 from data_prep.tario import file_sha256
-from pipeline.train.tag import COMPLETE, UNIVERSAL, files_read, read_record, set_rng_state
+from pipeline.train import reshard
+from pipeline.train.tag import COMPLETE, UNIVERSAL, files_read, optim_files, read_record, set_rng_state
 from pipeline.train.transfer import fetch, remote_tags
 
 log = logging.getLogger(__name__)
@@ -62,13 +63,14 @@ class Restored:
     saved_by: int = 0  # the number of ranks that saved it
 
 
-def verify(tag_dir: Path, rank: int, world_size: int, local_rank: int = 0) -> str | None:
+def verify(tag_dir: Path, rank: int, world_size: int, local_rank: int = 0, whole: bool = False) -> str | None:
     """Why this checkpoint cannot be loaded by `rank`, or None if it can.
 
-    Saved by as many ranks as this run has, each rank checks the files it will read: its own ZeRO shard,
-    its own state and the model states; the other ranks' files may be on other nodes' disks, where their
-    own ranks check them. Saved by another number of ranks, a resharded load reads every rank's files: each
-    node's first local rank checks them all."""
+    Each rank checks the files it reads whole (`files_read`): at the world size that saved it its own ZeRO
+    shard, its own state and the model states; at another, the model states and (rank 0) rank 0's state,
+    the optimizer states being read in parts wherever they are (`reshard`). The other ranks' files may be on
+    other nodes' disks, where their own ranks check them. `whole` (DeepSpeed's universal conversion, which
+    reads every file): each node's first local rank checks them all."""
     if not tag_dir.is_dir():
         return "not on this node's disk (without a shared run_dir, set checkpoint.uri or storage)"
     record_path = tag_dir / COMPLETE
@@ -78,7 +80,7 @@ def verify(tag_dir: Path, rank: int, world_size: int, local_rank: int = 0) -> st
         record = json.loads(record_path.read_text())
     except json.JSONDecodeError:
         return "COMPLETE.json is not valid JSON"
-    if record["world_size"] != world_size:
+    if whole:
         mine = list(record["files"]) if local_rank == 0 else []
     else:
         mine = files_read(record, [rank], world_size)
@@ -86,9 +88,9 @@ def verify(tag_dir: Path, rank: int, world_size: int, local_rank: int = 0) -> st
         meta, path = record["files"][name], tag_dir / name
         if not path.is_file() or path.stat().st_size != meta["bytes"]:
             return f"{name} is missing or has the wrong size" + (
-                f" (saved by {record['world_size']} ranks, this run has {world_size}: a resharded load reads "
-                "every rank's files, which a node holds only on a shared run_dir or from checkpoint.uri)"
-                if record["world_size"] != world_size
+                f" (saved by {record['world_size']} ranks, this run has {world_size}: a conversion of the whole "
+                "tag reads every rank's files, which a node holds only on a shared run_dir or from checkpoint.uri)"
+                if whole
                 else ""
             )
     for name in mine:
@@ -170,7 +172,7 @@ def _load_tag(engine, ckpt_dir: Path, tag_dir: Path, universal: Path | None, loa
     before = config.load_universal_checkpoint
     config.load_universal_checkpoint = True
     try:
-        return engine.load_checkpoint(
+        loaded = engine.load_checkpoint(
             str(universal.parent),
             tag=universal.name,
             load_optimizer_states=load_optimizer,
@@ -178,6 +180,13 @@ def _load_tag(engine, ckpt_dir: Path, tag_dir: Path, universal: Path | None, loa
         )
     finally:
         config.load_universal_checkpoint = before
+    if load_optimizer and engine.zero_optimization_stage() == 3:
+        # DeepSpeed's ZeRO-3 universal loader gives every group group 0's hyperparameters (its weight decay:
+        # none, for the no-decay group first); each group's saved ones are put back (`reshard._Zero3.after`).
+        saved = torch.load(universal / "zero" / "optimizer_state.pt", weights_only=False)["param_groups"]
+        for group, values in zip(engine.optimizer.optimizer.param_groups, saved):
+            group.update({k: v for k, v in values.items() if k != "params"})
+    return loaded
 
 
 def reseed(seed: int, step: int, rank: int) -> None:
@@ -215,6 +224,29 @@ def newest_record(ckpt_dir: Path, store: Store | None, rank: int, group=None) ->
     box = [found[1] if found is not None and found[0] == newest else None]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, holder) if group else holder, group=group)
     return box[0]
+
+
+def _whole_tag(
+    tag_dir: Path, store: Store | None, rank: int, world_size: int, local_rank: int, group
+) -> bool:
+    """Every file of the tag on every node (fetched from `store` where a node lacks some), checked by each
+    node's first local rank: what DeepSpeed's universal conversion reads. True on every rank, or on none."""
+    problem = verify(tag_dir, rank, world_size, local_rank, whole=True)
+    if store is not None and not all_agree(problem is None, group):
+        if local_rank == 0 and problem:
+            fetched, whole = fetch(store, tag_dir, [], world_size, whole=True)
+            log.info(
+                "rank %d: fetched the whole checkpoint %s: %d of its %d bytes",
+                rank,
+                tag_dir.name,
+                fetched,
+                whole,
+            )
+        dist.barrier(group=group)
+        problem = verify(tag_dir, rank, world_size, local_rank, whole=True)
+    if problem:
+        log.warning("rank %d: skipping checkpoint %s: %s", rank, tag_dir, problem)
+    return all_agree(problem is None, group)
 
 
 def resume(
@@ -281,8 +313,41 @@ def resume(
                     "skipping checkpoint %s: its nodes' copies were saved by %s ranks", tag_dir, counts
                 )
             continue
+        record = read_record(tag_dir)
+        plan, ranged = None, saved_by != world_size and bool(optim_files(record))
+        if ranged:  # each rank reads its part of the optimizer states (pipeline.train.reshard)
+            failure = None
+            try:
+                plan = reshard.plan(engine, tag_dir, record, store)
+            except Exception as exc:
+                failure = exc
+            if not all_agree(not isinstance(failure, reshard.LayoutMismatch), group):
+                if rank == 0 or failure:
+                    log.warning(
+                        "rank %d: checkpoint %s cannot be read in parts (%s); converting the whole tag instead",
+                        rank,
+                        tag_dir.name,
+                        failure or "another rank found its layout unknown",
+                    )
+                plan, ranged = None, False
+                if not _whole_tag(tag_dir, store, rank, world_size, local_rank, group):
+                    continue
+            elif not all_agree(failure is None, group):
+                log.warning(
+                    "rank %d: checkpoint %s could not be read in parts: %r", rank, tag_dir.name, failure
+                )
+                continue
+            else:
+                log.info(
+                    "rank %d: read its part of checkpoint %s: %d bytes in %d requests from %s",
+                    rank,
+                    tag_dir.name,
+                    plan.sources.bucket_bytes,
+                    plan.sources.bucket_requests,
+                    store.describe() if store is not None else "no bucket",
+                )
         universal, failure = None, None
-        if saved_by != world_size and local_rank == 0:
+        if saved_by != world_size and not ranged and local_rank == 0:
             try:
                 universal = to_universal(tag_dir)
             except Exception as exc:
@@ -293,17 +358,24 @@ def resume(
         if not all_agree(failure is None, group):
             continue
         if saved_by != world_size:
-            universal = tag_dir / UNIVERSAL if (tag_dir / UNIVERSAL).is_dir() else None
+            universal = tag_dir / UNIVERSAL if not ranged and (tag_dir / UNIVERSAL).is_dir() else None
             if rank == 0:
                 log.warning(
                     "checkpoint %s was saved by %d ranks; resharding it for %d%s",
                     tag_dir.name,
                     saved_by,
                     world_size,
-                    " (universal checkpoint)" if universal else "",
+                    " (each rank reading its part)"
+                    if ranged
+                    else " (universal checkpoint)"
+                    if universal
+                    else "",
                 )
         try:
-            path, client_state = _load(engine, ckpt_dir, tag_dir, universal, load_optimizer)
+            if plan is not None:
+                path, client_state = reshard.apply(engine, plan, tag_dir, record, load_optimizer)
+            else:
+                path, client_state = _load(engine, ckpt_dir, tag_dir, universal, load_optimizer)
             # Its own RNG states where the world size is the same; the stage's `extra` is rank 0's alone.
             own = (
                 torch.load(tag_dir / f"rank_{rank}.pt", weights_only=False)

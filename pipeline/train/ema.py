@@ -33,6 +33,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 
 import torch
@@ -42,6 +43,7 @@ from safetensors.torch import save_file
 
 from data_prep import atomic
 from pipeline.train.engine import _stage0_fp32_masters
+from pipeline.train.tag import COMPLETE
 
 log = logging.getLogger(__name__)
 
@@ -224,17 +226,30 @@ class WeightEma:
         return write
 
     @torch.no_grad()
-    def load(self, tag_dir: Path) -> bool:
+    def load(self, tag_dir: Path, fetch: Callable[[str], int] | None = None) -> bool:
         """Take the EMA a checkpoint tag holds for this rank's share; False when the tag has no EMA files (then
         this EMA is unchanged). Files are opened nearest first until the share is whole: on the same world size
         and partitioning, this rank's own file alone; on another, those whose shares lay where this one lies
         (`reading_order`: ZeRO-0 and ZeRO-1/2 cut the parameters, or each parameter group, end to end in rank
         order), or, once the first file shows ZeRO-3's layout (every parameter cut in S equal parts), the owners
-        of this share's elements under it. Bytes read: this rank's share, from a few files (bench/ema.py)."""
-        by_rank = {int(p.name.split("_")[2]): p for p in tag_dir.glob(GLOB)}
+        of this share's elements under it. Bytes read: this rank's share, from a few files (bench/ema.py).
+        `fetch(name)`: brings a file of the tag that this node's disk lacks (from the bucket), as it is opened."""
+        names = [p.name for p in tag_dir.glob(GLOB)]
+        if fetch is not None:  # every file the tag lists, fetched as it is opened
+            names = [n for n in json.loads((tag_dir / COMPLETE).read_text())["files"] if fnmatch(n, GLOB)]
+        by_rank = {int(n.split("_")[2]): tag_dir / n for n in names}
         if not by_rank:
             return False
-        with safe_open(str(by_rank[min(by_rank)]), framework="pt") as first:  # its header says who saved it
+        self.fetched = 0
+
+        def opened(path: Path) -> str:
+            if fetch is not None:
+                self.fetched += fetch(path.name)  # 0 where this node holds it whole already
+            return str(path)
+
+        # The tag's list is whole (every saved rank wrote one): the nearest file first, not rank 0's.
+        first_rank = reading_order(self.rank, self.world_size, max(by_rank) + 1)[0] if fetch else min(by_rank)
+        with safe_open(opened(by_rank[first_rank]), framework="pt") as first:  # its header says who saved it
             saved_world = int((first.metadata() or {}).get("world_size", max(by_rank) + 1))
         by_name: dict[str, list[int]] = {}
         for i, frag in enumerate(self.fragments):
@@ -248,7 +263,7 @@ class WeightEma:
             if k in opened or k not in by_rank:
                 continue
             path = by_rank[k]
-            with safe_open(str(path), framework="pt") as saved:
+            with safe_open(opened(path), framework="pt") as saved:
                 ranges = json.loads((saved.metadata() or {}).get("ranges", "{}"))
                 for name, (start, stop, numel) in ranges.items():
                     for i in by_name.get(name, ()):

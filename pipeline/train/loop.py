@@ -16,6 +16,7 @@ of ranks, the ZeRO state is resharded (pipeline.train.checkpoint), the global ba
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -47,6 +48,7 @@ from pipeline.train.engine import build_engine, consolidated_state_dict, peak_lr
 from pipeline.train.export import export_weights
 from pipeline.train.saving import Checkpointer
 from pipeline.train.tag import tag_for
+from pipeline.train.transfer import fetch_file
 
 log = logging.getLogger(__name__)
 STOP_FILE = "STOP"
@@ -358,7 +360,7 @@ class Trainer:
             seed=cfg.seed,
         )
         self.start = restored.step if restored else 0
-        self.ema = _weight_ema(self.engine, cfg, ctx, self.ckpt_dir, restored)
+        self.ema = _weight_ema(self.engine, cfg, ctx, self.ckpt_dir, restored, self.store)
         if restored is not None and cfg.debug.resume_optimizer:
             lr_rescale(self.lr_scheduler, self.saved, self.global_batch)  # where the global batch moved
         self.lr = peak_lr(cfg, ctx.world_size)
@@ -639,18 +641,30 @@ class Trainer:
 
 
 def _weight_ema(
-    engine, cfg: StageConfig, ctx, ckpt_dir: Path, restored: checkpoint.Restored | None
+    engine, cfg: StageConfig, ctx, ckpt_dir: Path, restored: checkpoint.Restored | None, store: Store | None
 ) -> WeightEma | None:
     """The stage's weight EMA (optim.ema_decay), or None: from the resumed checkpoint's EMA where it has one,
-    else from the current weights. Every rank must call it; a rank that cannot load its share fails them all."""
+    else from the current weights. Every rank must call it; a rank that cannot load its share fails them all.
+    Resumed on another number of ranks, a rank fetches from the bucket the saved EMA files it opens that its
+    node lacks (its share lies in a few of them)."""
     if not cfg.optim.ema_decay:
         return None
     ema = WeightEma.of_engine(engine, cfg.optim.ema_decay, ctx.rank, ctx.world_size, ctx.control_group)
     if restored is None:
         return ema
     failure, found = None, False
+    tag_dir = ckpt_dir / restored.tag
+    resharded = store is not None and restored.saved_by not in (0, ctx.world_size)
     try:
-        found = ema.load(ckpt_dir / restored.tag)
+        found = ema.load(tag_dir, functools.partial(fetch_file, store, tag_dir) if resharded else None)
+        if resharded and found:
+            log.info(
+                "rank %d: fetched %d bytes of checkpoint %s's weight EMA from %s",
+                ctx.rank,
+                ema.fetched,
+                restored.tag,
+                store.describe(),
+            )
     except Exception as exc:  # the other ranks must not go on into the first step's collectives
         failure = exc
     if not checkpoint.all_agree(failure is None, ctx.control_group):

@@ -6,7 +6,8 @@
                               COMPLETE.json    written by rank 0 after every rank's files are on disk:
                                                the file list with sizes, and the sha256 of each
                               universal/       DeepSpeed's universal checkpoint of it, made at a resume on
-                                               another number of ranks (`checkpoint.to_universal`)
+                                               another number of ranks only where the saved layout cannot
+                                               be read in parts (`checkpoint.to_universal`, `reshard`)
     ckpt_dir/latest           the newest complete tag, replaced atomically (write tmp, rename)
 
 Saving: `pipeline.train.saving`. Resuming: `pipeline.train.checkpoint`. Moving tags to and from a bucket:
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -27,6 +29,11 @@ import torch.distributed as dist
 COMPLETE = "COMPLETE.json"
 LATEST = "latest"
 UNIVERSAL = "universal"
+OPTIM = re.compile(
+    r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$"
+)  # a rank's ZeRO optimizer states
+ZERO3_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"  # ZeRO-3: saved rank 0's (the parameters' shapes)
+MODEL_STATES = "mp_rank_00_model_states.pt"  # ZeRO 0-2: the whole module
 
 
 def tag_for(step: int) -> str:
@@ -85,12 +92,32 @@ def read_record(tag_dir: Path) -> dict | None:
         return None
 
 
-def files_read(record: dict, ranks: list[int], world_size: int) -> list[str]:
-    """The files of a tag (its COMPLETE.json `record`) that `ranks` read when they resume on `world_size`
-    ranks: at the world size that saved it, each its own (ZeRO partition, RNG state, EMA share) and the
-    model states; at another, every file (the universal conversion reads them all)."""
-    if record["world_size"] != world_size:
+def files_read(record: dict, ranks: list[int], world_size: int, whole: bool = False) -> list[str]:
+    """The files of a tag (its COMPLETE.json `record`) that `ranks` read whole when they resume on
+    `world_size` ranks: at the world size that saved it, each its own (ZeRO partition, RNG state, EMA share)
+    and the model states; at another, the model states (saved rank 0's under ZeRO-3) and rank 0's state,
+    since the optimizer states are read in parts (`pipeline.train.reshard`) and the EMA's files as the
+    rank opens them. `whole`: every file (DeepSpeed's universal conversion reads them all)."""
+    if whole:
         return list(record["files"])
+    if record["world_size"] != world_size:
+        return [model_states(record)] + (["rank_0.pt"] if 0 in ranks else [])
     own = tuple(f"rank_{r}_" for r in ranks)
     states = {f"rank_{r}.pt" for r in ranks}
     return [n for n in record["files"] if n.startswith("mp_rank_") or n in states or any(o in n for o in own)]
+
+
+def optim_files(record: dict) -> dict[int, str]:
+    """Saved rank -> its ZeRO optimizer-states file, from a tag's COMPLETE.json; {} for ZeRO-0."""
+    out = {}
+    for name in record["files"]:
+        match = OPTIM.match(name)
+        if match:
+            out[int(match.group(2))] = name
+    return out
+
+
+def model_states(record: dict) -> str:
+    """The model-states file a resume on another number of ranks reads: saved rank 0's under ZeRO-3 (the
+    parameters' shapes), the one file of the whole module otherwise."""
+    return ZERO3_STATES if ZERO3_STATES in record["files"] else MODEL_STATES
