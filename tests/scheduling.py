@@ -42,7 +42,7 @@ LONG_TESTS = {
     "test_detr_trains_from_an_mae_encoder_under_every_zero_stage_and_reports_box_ap": 250,
     "test_gpu_bench_dry_run_runs_every_case_on_cpu": 230,  # five engines, a dataset and three loaders
     "test_one_rank_resumes_on_two_per_zero_stage_in_bf16": 210,
-    "test_a_stage_saved_by_two_nodes_goes_on_on_one_and_back_on_two": 210,
+    "test_a_stage_saved_by_four_ranks_on_two_nodes_goes_on_on_two_and_on_four_reading_its_share": 260,
     "test_no_host_read_between_log_steps": 140,  # its module fixture: every case in one launch
     "test_sigterm_checkpoints_and_resume_falls_back_past_a_corrupt_checkpoint": 150,
     "test_every_objective_trains_and_its_loss_falls": 140,

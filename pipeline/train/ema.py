@@ -242,14 +242,14 @@ class WeightEma:
             return False
         self.fetched = 0
 
-        def opened(path: Path) -> str:
+        def here(path: Path) -> str:
             if fetch is not None:
                 self.fetched += fetch(path.name)  # 0 where this node holds it whole already
             return str(path)
 
         # The tag's list is whole (every saved rank wrote one): the nearest file first, not rank 0's.
         first_rank = reading_order(self.rank, self.world_size, max(by_rank) + 1)[0] if fetch else min(by_rank)
-        with safe_open(opened(by_rank[first_rank]), framework="pt") as first:  # its header says who saved it
+        with safe_open(here(by_rank[first_rank]), framework="pt") as first:  # its header says who saved it
             saved_world = int((first.metadata() or {}).get("world_size", max(by_rank) + 1))
         by_name: dict[str, list[int]] = {}
         for i, frag in enumerate(self.fragments):
@@ -263,7 +263,7 @@ class WeightEma:
             if k in opened or k not in by_rank:
                 continue
             path = by_rank[k]
-            with safe_open(opened(path), framework="pt") as saved:
+            with safe_open(here(path), framework="pt") as saved:
                 ranges = json.loads((saved.metadata() or {}).get("ranges", "{}"))
                 for name, (start, stop, numel) in ranges.items():
                     for i in by_name.get(name, ()):
