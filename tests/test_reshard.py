@@ -21,7 +21,10 @@ def _saved(tmp_path, store: Store | None, obj, name: str = "states.pt"):
     tag.mkdir(parents=True)
     torch.save(obj, tag / name)
     data = (tag / name).read_bytes()
-    record = {"world_size": 2, "files": {name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}}}
+    record = {
+        "world_size": 2,
+        "files": {name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}},
+    }
     if store is not None:
         store.upload(tag / name, f"{tag.name}/{name}")
         (tag / name).unlink()  # the node's disk lacks it: every byte comes from the bucket
@@ -66,7 +69,9 @@ def test_a_file_that_is_not_a_torch_save_is_a_layout_mismatch_naming_it(tmp_path
     tag.mkdir()
     (tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"not a zip" * 100)
     record = {"world_size": 2, "files": {"zero_pp_rank_0_mp_rank_00_optim_states.pt": {"bytes": 900}}}
-    with pytest.raises(LayoutMismatch, match=r"step_00000003/zero_pp_rank_0_mp_rank_00_optim_states.pt: not a"):
+    with pytest.raises(
+        LayoutMismatch, match=r"step_00000003/zero_pp_rank_0_mp_rank_00_optim_states.pt: not a"
+    ):
         TorchFile(Sources(tag, record, None), "zero_pp_rank_0_mp_rank_00_optim_states.pt")
     with pytest.raises(LayoutMismatch, match=r"COMPLETE.json lists no rank_1.pt"):
         Sources(tag, record, None).size("rank_1.pt")

@@ -22,7 +22,13 @@ def main() -> None:
     root, data, out, uri, extra = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), sys.argv[4], sys.argv[5:]
     # OUT_DIR (MLflow) is shared; rank 0 alone writes it
     smoke_run(
-        root / "job", data, out, "deepspeed.zero_stage=3", "optim.ema_decay=0.9", f"checkpoint.uri={uri}", *extra
+        root / "job",
+        data,
+        out,
+        "deepspeed.zero_stage=3",
+        "optim.ema_decay=0.9",
+        f"checkpoint.uri={uri}",
+        *extra,
     )
     shutdown_distributed()
 
