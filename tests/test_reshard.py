@@ -11,7 +11,17 @@ import torch
 from conftest import torchrun
 
 from data_prep.storage import Store
-from pipeline.train.reshard import BLOCK, LayoutMismatch, Sources, TensorRef, TorchFile, _Piece, read_pieces
+from pipeline.train.reshard import (
+    BLOCK,
+    LayoutMismatch,
+    Sources,
+    TensorRef,
+    TorchFile,
+    _Piece,
+    read_pieces,
+    zero3_spans,
+    zero12_spans,
+)
 from pipeline.train.tag import COMPLETE, tag_for
 
 
@@ -102,3 +112,29 @@ def test_a_layout_it_cannot_read_in_parts_falls_back_to_the_universal_conversion
     check(tmp_path, 2, ranks_after=2, accum_after=1)
     record = json.loads((tmp_path / "zero2/switch/checkpoints/step_00000008" / COMPLETE).read_text())
     assert record["world_size"] == 2
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("saved", "world"), [(4, 2), (2, 4), (1024, 1016), (3, 5), (7, 1)])
+def test_the_ranks_parts_tile_the_saved_parts_exactly(saved, world):
+    """Every element of a ZeRO-3 parameter (numels that divide by neither world size among them) and of a
+    ZeRO-1/2 flat group is read by the one new rank that owns it, from the saved rank that held it, once."""
+    for numel in (1, 5, 64, 1000, 12_289):
+        old, new = -(-numel // saved), -(-numel // world)
+        seen = []
+        for rank in range(world):
+            for span in zero3_spans(0, 100, numel, saved, world, rank):
+                assert 0 <= span.at and span.at + span.count <= new
+                first = span.saved * old + span.start - 100  # the element of the parameter it starts at
+                assert first == rank * new + span.at and 0 <= span.start - 100 <= old - span.count
+                seen += range(first, first + span.count)
+        assert seen == list(range(numel)), numel
+    old = 1_003  # a saved slice of a ZeRO-1/2 group; the new slices, padded, cover saved x old
+    new = -(-saved * old // world)
+    seen = []
+    for rank in range(world):
+        for span in zero12_spans(0, old, new, saved, rank):
+            assert span.start + span.count <= old and span.at + span.count <= new
+            assert span.saved * old + span.start == rank * new + span.at
+            seen += range(rank * new + span.at, rank * new + span.at + span.count)
+    assert seen == list(range(saved * old))

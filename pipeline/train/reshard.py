@@ -278,37 +278,94 @@ class _Piece:
     dst: torch.Tensor  # a 1-D view the bytes are copied into
 
 
-def read_pieces(pieces: list[_Piece]) -> None:
-    """Read every piece into its destination: the ranges of one file sorted, a range read with the one before
-    it where the gap between them is under GAP bytes and a quarter of the range (a gap read is bytes wasted),
-    READERS requests at once."""
-    runs: list[tuple[TorchFile, int, int, list[_Piece]]] = []
-    by_file: dict[str, list[_Piece]] = {}
-    for piece in pieces:
-        if piece.length:
-            by_file.setdefault(piece.file.name, []).append(piece)
-    for group in by_file.values():
-        group.sort(key=lambda p: p.offset)
-        start, stop, members = group[0].offset, group[0].offset + group[0].length, [group[0]]
-        for piece in group[1:]:
-            if piece.offset - stop <= min(GAP, piece.length // 4):  # at most a quarter of the read wasted
-                stop, members = max(stop, piece.offset + piece.length), members + [piece]
+def runs(ranges: list[tuple[str, int, int]]) -> list[tuple[str, int, int, list[int]]]:
+    """The requests that read `ranges` (file, offset, length): a file's ranges sorted, each read with the one
+    before it where the gap between them is under GAP bytes and a quarter of the range (a gap read is bytes
+    wasted). Returns (file, start, stop, indices of the ranges it holds) per request."""
+    out: list[tuple[str, int, int, list[int]]] = []
+    by_file: dict[str, list[int]] = {}
+    for i, (name, _, length) in enumerate(ranges):
+        if length:
+            by_file.setdefault(name, []).append(i)
+    for name, members in by_file.items():
+        members.sort(key=lambda i: ranges[i][1])
+        start, stop, held = ranges[members[0]][1], sum(ranges[members[0]][1:]), [members[0]]
+        for i in members[1:]:
+            _, offset, length = ranges[i]
+            if offset - stop <= min(GAP, length // 4):
+                stop, held = max(stop, offset + length), held + [i]
             else:
-                runs.append((group[0].file, start, stop, members))
-                start, stop, members = piece.offset, piece.offset + piece.length, [piece]
-        runs.append((group[0].file, start, stop, members))
+                out.append((name, start, stop, held))
+                start, stop, held = offset, offset + length, [i]
+        out.append((name, start, stop, held))
+    return out
+
+
+def read_pieces(pieces: list[_Piece]) -> None:
+    """Read every piece into its destination, in the requests `runs` makes, READERS at once."""
+    files = {p.file.name: p.file for p in pieces}
 
     def one(run) -> None:
-        file, start, stop, members = run
-        data = bytearray(file.sources.read(file.name, start, stop - start))
-        for piece in members:
+        name, start, stop, held = run
+        data = bytearray(files[name].sources.read(name, start, stop - start))
+        for i in held:
+            piece = pieces[i]
             at = piece.offset - start
-            src = torch.frombuffer(data, dtype=piece.dst.dtype, offset=at, count=piece.dst.numel())
-            piece.dst.copy_(src)
+            piece.dst.copy_(torch.frombuffer(data, dtype=piece.dst.dtype, offset=at, count=piece.dst.numel()))
 
-    with ThreadPoolExecutor(max(1, min(READERS, len(runs)))) as pool:
-        for future in [pool.submit(one, run) for run in runs]:
+    requests = runs([(p.file.name, p.offset, p.length) for p in pieces])
+    with ThreadPoolExecutor(max(1, min(READERS, len(requests)))) as pool:
+        for future in [pool.submit(one, run) for run in requests]:
             future.result()
+
+
+@dataclass(frozen=True)
+class Span:
+    """Elements [start, start + count) of saved rank `saved`'s flat tensor of (sub-)group `group`: elements
+    [at, at + count) of this rank's part."""
+
+    saved: int
+    group: int
+    start: int
+    count: int
+    at: int
+
+
+def zero12_spans(group: int, old: int, new: int, saved: int, rank: int) -> list[Span]:
+    """ZeRO-1/2: rank `rank` owns elements [rank x new, (rank + 1) x new) of the group's flat vector; saved rank
+    i held [i x old, (i + 1) x old) (the end padding of `saved` slices of `old` holds nothing)."""
+    lo, hi = rank * new, min((rank + 1) * new, saved * old)
+    out = []
+    for i in range(lo // old, (hi - 1) // old + 1) if hi > lo else ():
+        a, b = max(lo, i * old), min(hi, (i + 1) * old)
+        out.append(Span(i, group, a - i * old, b - a, a - lo))
+    return out
+
+
+def zero3_offsets(shapes: list[dict], saved: int) -> dict[str, tuple[int, int, int]]:
+    """ZeRO-3 saved by `saved` ranks (`param_shapes`: one name -> shape dict per sub-group): each parameter's
+    (sub-group, offset in every saved rank's flat tensor of it, numel)."""
+    out = {}
+    for g, group in enumerate(shapes):
+        offset = 0
+        for name, shape in group.items():
+            numel = math.prod(shape)
+            out[name] = (g, offset, numel)
+            offset += -(-numel // saved)
+    return out
+
+
+def zero3_spans(group: int, offset: int, numel: int, saved: int, world: int, rank: int) -> list[Span]:
+    """ZeRO-3: this rank's part of a parameter of `numel` elements (ceil(numel / world) from rank x that,
+    zero-padded past the end) from the saved ranks' parts (ceil(numel / saved) each, at `offset` in their
+    sub-group's flat tensor)."""
+    old, new = -(-numel // saved), -(-numel // world)
+    lo, hi = rank * new, min((rank + 1) * new, numel)
+    out = []
+    for i in range(lo // old, (hi - 1) // old + 1) if hi > lo else ():
+        a, b = max(lo, i * old), min(hi, (i + 1) * old)
+        out.append(Span(i, group, offset + a - i * old, b - a, a - lo))
+    return out
 
 
 def _materialized(obj, file: TorchFile):
@@ -375,22 +432,21 @@ class _Zero12(_Plan):
             buffers = {k: torch.zeros(new, dtype=torch.float32) for k in STATES}
             self.buffers.append(buffers)
             self.steps.append(first["base_optimizer_state"]["state"][g].get("step"))
-            lo, hi = self.rank * new, min((self.rank + 1) * new, self.saved * old)
             spans = self.check(g, lp_group, new, old)
-            for i in range(lo // old, (hi - 1) // old + 1) if hi > lo else ():
+            for span in zero12_spans(g, old, new, self.saved, self.rank):
+                i = span.saved
                 file, state = self.file(i), self.state(i)
                 if state["single_partition_of_fp32_groups"][g].numel != old:
                     raise LayoutMismatch(f"{self.where(i, g)}: slices of unequal sizes")
                 self.check_saved(i, g, old, spans)
-                a, b = max(lo, i * old), min(hi, (i + 1) * old)
                 refs = {
                     "fp32": state["single_partition_of_fp32_groups"][g],
                     "exp_avg": state["base_optimizer_state"]["state"][g]["exp_avg"],
                     "exp_avg_sq": state["base_optimizer_state"]["state"][g]["exp_avg_sq"],
                 }
                 for key, ref in refs.items():
-                    offset, length = file.byte_range(ref, a - i * old, b - a)
-                    pieces.append(_Piece(file, offset, length, buffers[key][a - lo : b - lo]))
+                    offset, length = file.byte_range(ref, span.start, span.count)
+                    pieces.append(_Piece(file, offset, length, buffers[key][span.at : span.at + span.count]))
         read_pieces(pieces)
         self.steps = [_materialized(s, self.file(0)) for s in self.steps]
         self.global_sd = self.global_state()
@@ -473,14 +529,7 @@ class _Zero3(_Plan):
 
     def __init__(self, engine, sources: Sources, record: dict):
         super().__init__(engine, sources, record)
-        shapes = TorchFile(sources, ZERO3_STATES).obj["param_shapes"]
-        saved: dict[str, tuple[int, int, int]] = {}  # name -> (sub-group, offset in each rank's flat, numel)
-        for g, group in enumerate(shapes):
-            offset = 0
-            for name, shape in group.items():
-                numel = math.prod(shape)
-                saved[name] = (g, offset, numel)
-                offset += -(-numel // self.saved)
+        saved = zero3_offsets(TorchFile(sources, ZERO3_STATES).obj["param_shapes"], self.saved)
         self.parts: dict[tuple[str, str], torch.Tensor] = {}
         pieces = []
         opt = self.optimizer
@@ -493,22 +542,19 @@ class _Zero3(_Plan):
                         f"{sources.tag_dir / ZERO3_STATES}: parameter {name} has "
                         f"{saved[name][2] if name in saved else 'no'} elements saved, {numel} in this model"
                     )
-                g, at, _ = saved[name]
-                old, new = -(-numel // self.saved), -(-numel // self.world)
-                parts = {k: torch.zeros(new, dtype=torch.float32) for k in STATES}
+                g, offset, _ = saved[name]
+                parts = {k: torch.zeros(-(-numel // self.world), dtype=torch.float32) for k in STATES}
                 self.parts.update({(name, k): t for k, t in parts.items()})
-                lo, hi = self.rank * new, min((self.rank + 1) * new, numel)
-                for i in range(lo // old, (hi - 1) // old + 1) if hi > lo else ():
-                    a, b = max(lo, i * old), min(hi, (i + 1) * old)
-                    file, state = self.file(i), self.state(i)
+                for span in zero3_spans(g, offset, numel, self.saved, self.world, self.rank):
+                    file, state = self.file(span.saved), self.state(span.saved)
                     refs = {
                         "fp32": state["fp32_flat_groups"][g],
                         "exp_avg": state["optimizer_state_dict"]["state"][g]["exp_avg"],
                         "exp_avg_sq": state["optimizer_state_dict"]["state"][g]["exp_avg_sq"],
                     }
                     for key, ref in refs.items():
-                        offset, length = file.byte_range(ref, at + a - i * old, b - a)
-                        pieces.append(_Piece(file, offset, length, parts[key][a - lo : b - lo]))
+                        start, length = file.byte_range(ref, span.start, span.count)
+                        pieces.append(_Piece(file, start, length, parts[key][span.at : span.at + span.count]))
         read_pieces(pieces)
         self.global_sd = self.global_state()
 
