@@ -18,7 +18,10 @@ to the largest), from the real objects. Figures, per rank unless said:
 - the deal on a new world size (`continue_deal`), 1,024 -> 1,016 (a node lost) and 1,024 -> 512: time
   (median of 3) and the data position's bytes as checkpointed (`Deal.to_dict`, written once per checkpoint);
 - the share of the split's samples an epoch uses (the epoch quota is every slot's worst case, so shards of
-  uneven counts leave samples out).
+  uneven counts leave samples out);
+- a resume on another number of ranks (one node lost; half the nodes) of ViT-H/14's ZeRO-3 checkpoint: the
+  bytes and requests a node reads from the bucket, against its share of the tag (`resume_reads`: the
+  ranged reshard's own span and request functions over the saved files' layout).
 
 Each figure has its goal beside it and whether it is met; `growth` is the JFT scale's figure over the 10k's.
 """
@@ -41,6 +44,7 @@ from provenance import write_result  # bench/provenance.py, beside this file
 from data_prep.layout import Manifest, ShardInfo, shard_rel, write_manifest
 from pipeline.data.deal import Deal, _ends, _order, continue_deal, rank_quota, slot_range
 from pipeline.data.sources import DatasetInfo, dataset_info, epoch_batches
+from pipeline.train.reshard import BLOCK, runs, zero3_offsets, zero3_spans
 from pipeline.train.tag import tag_for
 
 SCALES = {
@@ -161,6 +165,86 @@ def complete_record(world: int) -> dict:
     return {"step": STEP, "world_size": world, "micro_batch": MICRO, "grad_accum": 1, "files": files}
 
 
+def vit_h_groups() -> list[list[tuple[str, int]]]:
+    """ViT-H/14 with JFT's head, as ZeRO-3 sub-groups: (name, numel) per optimizer parameter group, in order."""
+    import torch
+
+    from pipeline.models import create_model
+    from pipeline.models.param_groups import param_groups
+
+    with torch.device("meta"):
+        model = create_model("vit_h14", img_size=224, num_classes=CLASSES)
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [[(names[id(p)], p.numel()) for p in g["params"]] for g in param_groups(model, 0.05)]
+
+
+def resume_reads(groups: list[list[tuple[str, int]]], saved: int, per_node: int = 8) -> dict:
+    """Bytes and requests a node sends the bucket when a ZeRO-3 tag saved by `saved` ranks resumes on one node
+    fewer and on half the nodes, with the ranged reshard (`pipeline.train.reshard`): each rank's spans of
+    every parameter (`zero3_spans`), made requests as it makes them (`runs`), over the saved files' layout:
+    an optimizer file holds each sub-group's fp32 weights, then its two Adam moments (4 bytes an element);
+    an EMA file each parameter's part in order. Per file a rank opens, its metadata: an optimizer file's zip
+    directory and pickle (two blocks) and a local header per tensor read; an EMA file's header (its real
+    size, built here). Per node, saved rank 0's model states once (est.) and, on node 0, rank 0's state."""
+    shapes = [{n: (k,) for n, k in g} for g in groups]
+    offsets = zero3_offsets(shapes, saved)
+    flat = [sum(-(-k // saved) for _, k in g) for g in groups]  # each saved rank's elements per sub-group
+    base, at = {}, 4096  # where each flat tensor starts in a saved rank's optimizer file
+    for key, g in [("fp32", g) for g in range(len(groups))] + [
+        (key, g) for g in range(len(groups)) for key in ("exp_avg", "exp_avg_sq")
+    ]:
+        base[(key, g)] = at
+        at += flat[g] * 4
+    ema_at = [0] + [sum(flat[:g]) * 4 for g in range(1, len(groups))]  # each sub-group's first byte in it
+    header = {
+        n: {"dtype": "F32", "shape": [-(-k // saved)], "data_offsets": [0, 4 * -(-k // saved)]}
+        for g in groups
+        for n, k in g
+    }
+    header["__metadata__"] = {"ranges": json.dumps({n: [0, -(-k // saved), k] for g in groups for n, k in g})}
+    ema_header = 8 + len(json.dumps(header))
+    optim_file, ema_file = at, ema_header + 4 * sum(flat)
+    model_states = 2 * len(pickle.dumps(shapes))  # est.: the shapes, and the module's empty placeholders
+    metadata = 2 * BLOCK + 3 * len(groups) * 256  # per opened optimizer file: directory, pickle, headers
+    tag = saved * (optim_file + ema_file + 20_000) + model_states
+    out = {"tag_bytes": tag, "cases": {}}
+    for case, world in (("one_node_lost", saved - per_node), ("half", saved // 2)):
+        nodes = world // per_node
+        share = tag / nodes
+        node_figures = []
+        for node in (0, nodes // 2):
+            read = requests = 0
+            t = time.perf_counter()
+            for rank in range(node * per_node, (node + 1) * per_node):
+                ranges, opened = [], {0}
+                for g, offset, numel in offsets.values():
+                    for span in zero3_spans(g, offset, numel, saved, world, rank):
+                        opened.add(span.saved)
+                        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+                            ranges.append((str(span.saved), base[(key, g)] + 4 * span.start, 4 * span.count))
+                        at = ema_header + ema_at[g] + 4 * span.start
+                        ranges.append((f"ema{span.saved}", at, 4 * span.count))
+                made = runs(ranges)
+                read += sum(stop - start for _, start, stop, _ in made)
+                read += len(opened) * metadata + (len(opened) - 1) * ema_header
+                requests += len(made) + len(opened) * (2 + 3 * len(groups)) + (len(opened) - 1) * 2
+            plan_s = (time.perf_counter() - t) / per_node
+            read += model_states + (20_000 + 122_400 if node == 0 else 0)
+            requests += 1 + (node == 0)
+            node_figures.append(
+                {"node": node, "bytes": read, "requests": requests, "plan_s_per_rank": plan_s}
+            )
+        worst = max(f["bytes"] for f in node_figures) / share
+        out["cases"][case] = {
+            "ranks": f"{saved}->{world}",
+            "node_share_bytes": round(share),
+            "nodes": node_figures,
+            "node_bytes_over_share": figure(round(worst, 3), "<= 1.5 (#27 item 1)", worst <= 1.5),
+            "node_bytes_over_share_before": nodes,  # every node downloaded the whole tag
+        }
+    return out
+
+
 def figure(value, goal: str, met: bool | None) -> dict:
     return {"value": value, "goal": goal, "met": met}
 
@@ -245,6 +329,7 @@ def measure(name: str, samples: int, shards: int, world: int, nodes: int, tmp: P
         # samples a slot reads past at the head of its run (the run before's, in the same shard): read, never
         # decoded, as a share of the epoch's samples
         "epoch_read_past": figure(round(passed, 4), "<= 0.06: about half a shard per slot", passed <= 0.06),
+        "resume_reads": resume_reads(vit_h_groups(), world),
     }
 
 

@@ -115,10 +115,12 @@ def test_ranks_without_a_shared_disk_prune_their_own_and_agree_on_what_to_resume
 
 def bucket_bytes(node_log: str, tag: str) -> int:
     """What a node's ranks read of checkpoint `tag` from the bucket, from their logs: the files its first
-    local rank fetched whole, each rank's part of the optimizer states, each rank's EMA files."""
+    local rank fetched whole, each rank's part of the optimizer states and of the weight EMA."""
     fetched = re.findall(rf"fetched checkpoint {tag} from \S+ for this node's ranks: (\d+) of", node_log)
     parts = re.findall(rf"read its part of checkpoint {tag}: (\d+) bytes in \d+ requests", node_log)
-    ema = re.findall(rf"fetched (\d+) bytes of checkpoint {tag}'s weight EMA", node_log)
+    ema = re.findall(
+        rf"read its part of checkpoint {tag}'s weight EMA: (\d+) bytes in \d+ requests", node_log
+    )
     return sum(int(n) for n in fetched + parts + ema)
 
 
@@ -133,8 +135,8 @@ def test_a_stage_saved_by_four_ranks_on_two_nodes_goes_on_on_two_and_on_four_rea
     """Nodes on their own disks, checkpoints in a bucket, every resume on fresh disks: ZeRO-3 saved by 4 ranks
     (2 nodes x 2) at step 4 resumes on 2 ranks (2 nodes x 1) to step 6, which resumes on 4 ranks again to 8,
     which resumes on 4 ranks. At another world size no node downloads the tag: each rank reads its part of
-    the saved optimizer states in byte ranges and the EMA files that hold its share, its node's first rank
-    the small shared files; no universal checkpoint is made. Bytes a node reads from the bucket at each
+    the saved optimizer states and weight EMA in byte ranges, its node's first rank the small shared files;
+    no universal checkpoint is made. Bytes a node reads from the bucket at each
     resume: at most 1.5x its share of the tag (the tag's bytes / 2 nodes). The global batch (64) holds
     throughout: grad_accum 1 -> 2 -> 1."""
     root, out = tmp_path / "run", tmp_path / "shared"

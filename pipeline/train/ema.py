@@ -63,6 +63,22 @@ def ema_file(rank: int) -> str:
     return FILE.format(rank=rank)
 
 
+class _LocalFile:
+    """An EMA file on this node's disk: its header's metadata and slices of its tensors."""
+
+    def __init__(self, path: Path):
+        self.file = safe_open(str(path), framework="pt")
+
+    def metadata(self) -> dict:
+        return self.file.metadata() or {}
+
+    def slices(self, wanted: list[tuple[str, int, int]]) -> list[torch.Tensor]:
+        return [self.file.get_slice(name)[a:b] for name, a, b in wanted]
+
+    def close(self) -> None:
+        self.file = None
+
+
 def reading_order(rank: int, world_size: int, saved_world: int) -> list[int]:
     """The saved ranks in the order a rank of `world_size` opens their files: those whose share lay where this
     rank's lies (saved ranks [rank x S / W, (rank + 1) x S / W) for S saved ranks), then outwards from there."""
@@ -226,31 +242,32 @@ class WeightEma:
         return write
 
     @torch.no_grad()
-    def load(self, tag_dir: Path, fetch: Callable[[str], int] | None = None) -> bool:
+    def load(self, tag_dir: Path, open_file: Callable[[str], object] | None = None) -> bool:
         """Take the EMA a checkpoint tag holds for this rank's share; False when the tag has no EMA files (then
         this EMA is unchanged). Files are opened nearest first until the share is whole: on the same world size
         and partitioning, this rank's own file alone; on another, those whose shares lay where this one lies
         (`reading_order`: ZeRO-0 and ZeRO-1/2 cut the parameters, or each parameter group, end to end in rank
         order), or, once the first file shows ZeRO-3's layout (every parameter cut in S equal parts), the owners
-        of this share's elements under it. Bytes read: this rank's share, from a few files (bench/ema.py).
-        `fetch(name)`: brings a file of the tag that this node's disk lacks (from the bucket), as it is opened."""
-        names = [p.name for p in tag_dir.glob(GLOB)]
-        if fetch is not None:  # every file the tag lists, fetched as it is opened
+        of this share's elements under it. Elements read: this rank's share, from a few files (bench/ema.py).
+        `open_file(name)`: a file of the tag by another way than this node's disk (a resume on another number
+        of ranks reads the slices it needs in byte ranges, `reshard.SafetensorsParts`); its list of files is
+        then the tag's COMPLETE.json, not this disk's."""
+        if open_file is None:
+            names = [p.name for p in tag_dir.glob(GLOB)]
+
+            def open_file(name: str):
+                return _LocalFile(tag_dir / name)
+        else:
             names = [n for n in json.loads((tag_dir / COMPLETE).read_text())["files"] if fnmatch(n, GLOB)]
-        by_rank = {int(n.split("_")[2]): tag_dir / n for n in names}
+        by_rank = {int(n.split("_")[2]): n for n in names}
         if not by_rank:
             return False
-        self.fetched = 0
-
-        def here(path: Path) -> str:
-            if fetch is not None:
-                self.fetched += fetch(path.name)  # 0 where this node holds it whole already
-            return str(path)
-
-        # The tag's list is whole (every saved rank wrote one): the nearest file first, not rank 0's.
-        first_rank = reading_order(self.rank, self.world_size, max(by_rank) + 1)[0] if fetch else min(by_rank)
-        with safe_open(here(by_rank[first_rank]), framework="pt") as first:  # its header says who saved it
-            saved_world = int((first.metadata() or {}).get("world_size", max(by_rank) + 1))
+        # With the tag's whole list (every saved rank wrote one) the nearest file first, else the lowest here.
+        first_rank = min(by_rank)
+        if len(by_rank) == max(by_rank) + 1:
+            first_rank = reading_order(self.rank, self.world_size, len(by_rank))[0]
+        files = {first_rank: open_file(by_rank[first_rank])}  # its header says who saved the tag
+        saved_world = int(files[first_rank].metadata().get("world_size", max(by_rank) + 1))
         by_name: dict[str, list[int]] = {}
         for i, frag in enumerate(self.fragments):
             by_name.setdefault(frag.name, []).append(i)
@@ -262,25 +279,31 @@ class WeightEma:
             k = queue.popleft()
             if k in opened or k not in by_rank:
                 continue
-            path = by_rank[k]
-            with safe_open(here(path), framework="pt") as saved:
-                ranges = json.loads((saved.metadata() or {}).get("ranges", "{}"))
-                for name, (start, stop, numel) in ranges.items():
-                    for i in by_name.get(name, ()):
-                        frag = self.fragments[i]
-                        if numel != frag.numel:
-                            raise ValueError(
-                                f"{path}: EMA of parameter {name!r} has {numel} elements, this model's {frag.numel}"
-                            )
-                        lo, hi = max(start, frag.start), min(stop, frag.stop)
-                        if lo < hi:
-                            piece = saved.get_slice(name)[lo - start : hi - start]
-                            self.ema[i][lo - frag.start : hi - frag.start].copy_(piece)
-                            missing -= hi - lo
-                            read += hi - lo
+            saved = files.pop(k, None) or open_file(by_rank[k])
+            ranges = json.loads(saved.metadata().get("ranges", "{}"))
+            wanted = []  # (fragment, name, [a, b) of the file's range of it, where in the fragment)
+            for name, (start, stop, numel) in ranges.items():
+                for i in by_name.get(name, ()):
+                    frag = self.fragments[i]
+                    if numel != frag.numel:
+                        raise ValueError(
+                            f"{tag_dir / by_rank[k]}: EMA of parameter {name!r} has {numel} elements, this "
+                            f"model's {frag.numel}"
+                        )
+                    lo, hi = max(start, frag.start), min(stop, frag.stop)
+                    if lo < hi:
+                        wanted.append((i, name, lo - start, hi - start, lo - frag.start))
+            pieces = saved.slices([(name, a, b) for _, name, a, b, _ in wanted])
+            for (i, _, a, b, at), piece in zip(wanted, pieces):
+                self.ema[i][at : at + b - a].copy_(piece)
+                missing -= b - a
+                read += b - a
+            saved.close()
             if not opened and _per_parameter(ranges, k, saved_world):  # ZeRO-3's: the owners are known
                 queue.extendleft(reversed(_zero3_owners(self.fragments, saved_world)))
             opened.append(k)
+        for f in files.values():
+            f.close()
         self.last_load = {"files_opened": len(opened), "elements_read": read, "saved_world": saved_world}
         if missing:
             raise RuntimeError(

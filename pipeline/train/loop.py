@@ -42,13 +42,12 @@ from pipeline.models.flops import estimate_mfu, flops_per_image
 from pipeline.models.layers import checkpointed_fraction
 from pipeline.objectives import build_objective
 from pipeline.stage import init_weights, model_kwargs, open_stage, output_classes, preprocessing_of
-from pipeline.train import checkpoint
+from pipeline.train import checkpoint, reshard
 from pipeline.train.ema import WeightEma
 from pipeline.train.engine import build_engine, consolidated_state_dict, peak_lr
 from pipeline.train.export import export_weights
 from pipeline.train.saving import Checkpointer
-from pipeline.train.tag import tag_for
-from pipeline.train.transfer import fetch_file
+from pipeline.train.tag import read_record, tag_for
 
 log = logging.getLogger(__name__)
 STOP_FILE = "STOP"
@@ -645,8 +644,8 @@ def _weight_ema(
 ) -> WeightEma | None:
     """The stage's weight EMA (optim.ema_decay), or None: from the resumed checkpoint's EMA where it has one,
     else from the current weights. Every rank must call it; a rank that cannot load its share fails them all.
-    Resumed on another number of ranks, a rank fetches from the bucket the saved EMA files it opens that its
-    node lacks (its share lies in a few of them)."""
+    Resumed on another number of ranks, a rank reads its share's slices of the saved EMA files in byte ranges,
+    from this node's disk or the bucket."""
     if not cfg.optim.ema_decay:
         return None
     ema = WeightEma.of_engine(engine, cfg.optim.ema_decay, ctx.rank, ctx.world_size, ctx.control_group)
@@ -654,19 +653,27 @@ def _weight_ema(
         return ema
     failure, found = None, False
     tag_dir = ckpt_dir / restored.tag
-    resharded = store is not None and restored.saved_by not in (0, ctx.world_size)
+    resharded = restored.saved_by not in (0, ctx.world_size)
+    sources = None
     try:
-        found = ema.load(tag_dir, functools.partial(fetch_file, store, tag_dir) if resharded else None)
-        if resharded and found:
+        if resharded:  # the slices of the saved files that hold this rank's share, in byte ranges
+            sources = reshard.Sources(tag_dir, read_record(tag_dir), store)
+            found = ema.load(tag_dir, functools.partial(reshard.SafetensorsParts, sources))
             log.info(
-                "rank %d: fetched %d bytes of checkpoint %s's weight EMA from %s",
+                "rank %d: read its part of checkpoint %s's weight EMA: %d bytes in %d requests from %s",
                 ctx.rank,
-                ema.fetched,
                 restored.tag,
-                store.describe(),
+                sources.bucket_bytes,
+                sources.bucket_requests,
+                store.describe() if store is not None else "no bucket",
             )
+        else:
+            found = ema.load(tag_dir)
     except Exception as exc:  # the other ranks must not go on into the first step's collectives
         failure = exc
+    finally:
+        if sources is not None:
+            sources.close()
     if not checkpoint.all_agree(failure is None, ctx.control_group):
         if failure is not None:
             raise failure

@@ -22,13 +22,17 @@ bucket, so a killed resume leaves nothing a later one could take for complete. W
 not the one described above (`LayoutMismatch` names the file, group and parameter), the resume falls back
 to DeepSpeed's universal conversion of the whole tag (`checkpoint.to_universal`).
 
+The weight EMA's files (safetensors) are read the same way: a rank reads its share's slices of the files
+that hold them (`SafetensorsParts`), not the files.
+
 The ranges read are checked against the sizes COMPLETE.json records, not its sha256s (a hash covers a
-whole file); the files read whole here (model states, RNG states, the EMA) are checked in full.
+whole file); the files read whole here (model states, rank 0's state) are checked in full.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import logging
 import math
 import os
@@ -270,9 +274,54 @@ class TorchFile:
         return torch.frombuffer(data, dtype=ref.dtype).reshape(ref.shape).clone()
 
 
+_SAFETENSORS_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+}
+
+
+class SafetensorsParts:
+    """A safetensors file of `Sources` (a weight EMA share): its header read (two small reads), and slices of
+    its tensors in byte ranges, never the rest of the file."""
+
+    def __init__(self, sources: Sources, name: str):
+        self.sources, self.name = sources, name
+        (length,) = struct.unpack("<Q", sources.read(name, 0, 8))
+        if not 2 <= length <= sources.size(name) - 8:
+            raise LayoutMismatch(
+                f"{sources.tag_dir / name}: not a safetensors file (header of {length} bytes)"
+            )
+        self.header = json.loads(sources.read(name, 8, length))
+        self.base = 8 + length
+
+    def metadata(self) -> dict:
+        return self.header.get("__metadata__") or {}
+
+    def slices(self, wanted: list[tuple[str, int, int]]) -> list[torch.Tensor]:
+        """Elements [a, b) of each flattened tensor `name`, in the requests `runs` makes."""
+        pieces = []
+        for name, a, b in wanted:
+            info = self.header[name]
+            dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+            size = torch.empty((), dtype=dtype).element_size()
+            start, stop = info["data_offsets"]
+            if not 0 <= a <= b <= (stop - start) // size:
+                raise LayoutMismatch(f"{self.sources.tag_dir / self.name}: elements [{a}, {b}) of {name}")
+            pieces.append(
+                _Piece(self, self.base + start + a * size, (b - a) * size, torch.empty(b - a, dtype=dtype))
+            )
+        read_pieces(pieces)
+        return [p.dst for p in pieces]
+
+    def close(self) -> None:
+        """Nothing held open: the reads went through `Sources`."""
+
+
 @dataclass
 class _Piece:
-    file: TorchFile
+    file: TorchFile | SafetensorsParts
     offset: int
     length: int
     dst: torch.Tensor  # a 1-D view the bytes are copied into

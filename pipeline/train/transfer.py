@@ -8,7 +8,6 @@ size that saved it their own files and the model states, several at once; at ano
 
 from __future__ import annotations
 
-import fcntl
 import json
 from pathlib import Path
 
@@ -47,25 +46,6 @@ def fetch(
     store.download_files(tag, missing, tag_dir, workers=DOWNLOADS)
     atomic.write_text(tag_dir / COMPLETE, json.dumps(record, indent=1))
     return sum(files[n]["bytes"] for n in missing), sum(f["bytes"] for f in files.values())
-
-
-def fetch_file(store: Store, tag_dir: Path, name: str) -> int:
-    """One file of a tag from `store` into this node's copy, unless the node holds it whole already (another
-    rank of the node fetched it: one download per node, under a lock), checked against the COMPLETE.json
-    here. Returns the bytes downloaded (0 where it was here)."""
-    meta = json.loads((tag_dir / COMPLETE).read_text())["files"][name]
-    path = tag_dir / name
-    with open(tag_dir / f".{name}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if path.is_file() and path.stat().st_size == meta["bytes"] and file_sha256(path) == meta["sha256"]:
-            return 0
-        store.download_file(f"{tag_dir.name}/{name}", path)
-        if file_sha256(path) != meta["sha256"]:
-            path.unlink()
-            raise OSError(
-                f"{store.describe(tag_dir.name + '/' + name)}: does not match its sha256 in {COMPLETE}"
-            )
-    return meta["bytes"]
 
 
 def remote_tags(store: Store | None, rank: int, group, broadcast: bool = True) -> list[str]:
