@@ -23,9 +23,11 @@ that saved it, their own files and the model states, several at once; at another
 run resumes on machines that never saw its earlier steps.
 
 Another number of ranks than saved a tag (a node lost, more bought, an elastic stage) loads it resharded:
-every node fetches the whole tag, its first local rank converts it once to DeepSpeed's universal
-checkpoint (TAG/universal: each parameter's fp32 weights and optimizer moments whole) and each rank
-loads its own partition from there (`to_universal`, `resume`).
+each rank reads its own part of the saved ZeRO partitions in byte ranges, from its node's disk or the
+bucket (`pipeline.train.reshard`); a node fetches whole only the model states and rank 0's state. Where the
+saved layout is not one `reshard` reads, every rank falls back to DeepSpeed's universal checkpoint: every
+node fetches the whole tag, its first local rank converts it once (TAG/universal: each parameter's fp32
+weights and optimizer moments whole) and each rank loads its own partition from there (`to_universal`).
 """
 
 from __future__ import annotations
@@ -262,9 +264,11 @@ def resume(
 ) -> Restored | None:
     """Load the newest complete checkpoint, falling back past broken ones; None if there is none.
 
-    A checkpoint saved by another number of ranks is resharded: every node fetches the whole tag (from
-    `store` where its disk lacks part), its first local rank converts it to a universal checkpoint
-    (`to_universal`), and every rank loads its own partition of weights and optimizer states from that.
+    A checkpoint saved by another number of ranks is resharded: each rank reads its own part of the saved
+    weights and optimizer states in byte ranges (`reshard.plan`, `reshard.apply`); where the saved layout
+    is one `reshard` does not read, every node fetches the whole tag (from `store` where its disk lacks
+    part), its first local rank converts it to a universal checkpoint (`to_universal`), and every rank
+    loads its own partition from that.
     Each rank's random states then restart from (seed, step, rank); the data-stream position comes from
     rank 0's state, which describes the whole stream (`pipeline.data.deal`)."""
     remote = set(remote_tags(store, rank, group))

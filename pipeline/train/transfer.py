@@ -2,8 +2,10 @@
 
 Saving uploads each rank's files beside training (`pipeline.train.saving`). At a resume, rank 0 lists the
 tags the bucket holds complete (`remote_tags`), and where a node's copy of the chosen tag is missing or
-broken its first local rank downloads what the node's ranks read (`fetch`, `tag.files_read`): at the world
-size that saved it their own files and the model states, several at once; at another, the whole tag.
+broken its first local rank downloads what the node's ranks read whole (`fetch`, `tag.files_read`), several
+at once: at the world size that saved it their own files and the model states; at another, the model
+states and rank 0's state (the ranks read their parts of the rest in ranges, `reshard`), or the whole tag
+where DeepSpeed's universal conversion must run.
 """
 
 from __future__ import annotations
