@@ -35,6 +35,14 @@ def result(name: str, path: str) -> Callable[[], float]:
     return get
 
 
+def _resume(scale: str, case: str) -> tuple[float, float, float]:
+    """bench/results/scale.json's resume on another world size: a node's share and the worst node's bytes
+    (MB), and that node's requests."""
+    figures = json.loads((RESULTS / "scale.json").read_text())[scale]["resume_reads"]["cases"][case]
+    worst = max(figures["nodes"], key=lambda n: n["bytes"])
+    return figures["node_share_bytes"] / 1e6, worst["bytes"] / 1e6, worst["requests"]
+
+
 def derived(doc: str, fn: Callable[[], float]) -> Callable[[], float]:
     fn.__doc__ = doc
     return fn
@@ -145,6 +153,58 @@ CLAIMS = [
         [
             result("scale.json", "jft.deal_s.one_node_lost.value"),
             result("scale.json", "10k.deal_s.one_node_lost.value"),
+        ],
+    ),
+    (
+        "docs/scale.md",
+        r"\| 1,016 ranks \(a node lost\) \| (\d+\.\d) MB \| (\d+\.\d) MB, (\d\.\d+)x \| ([\d,]+) \| 10.49 GB, (\d+)x \|",
+        [
+            derived(
+                "scale.json: jft one_node_lost node share in MB", lambda: _resume("jft", "one_node_lost")[0]
+            ),
+            derived(
+                "scale.json: jft one_node_lost worst node in MB", lambda: _resume("jft", "one_node_lost")[1]
+            ),
+            result("scale.json", "jft.resume_reads.cases.one_node_lost.node_bytes_over_share.value"),
+            derived(
+                "scale.json: jft one_node_lost worst node's requests",
+                lambda: _resume("jft", "one_node_lost")[2],
+            ),
+            result("scale.json", "jft.resume_reads.cases.one_node_lost.node_bytes_over_share_before"),
+        ],
+    ),
+    (
+        "docs/scale.md",
+        r"\| 512 ranks \(half\) \| (\d+\.\d) MB \| (\d+\.\d) MB, (\d\.\d+)x \| ([\d,]+) \| 10.49 GB, (\d+)x \|",
+        [
+            derived("scale.json: jft half node share in MB", lambda: _resume("jft", "half")[0]),
+            derived("scale.json: jft half worst node in MB", lambda: _resume("jft", "half")[1]),
+            result("scale.json", "jft.resume_reads.cases.half.node_bytes_over_share.value"),
+            derived("scale.json: jft half worst node's requests", lambda: _resume("jft", "half")[2]),
+            result("scale.json", "jft.resume_reads.cases.half.node_bytes_over_share_before"),
+        ],
+    ),
+    (
+        "docs/scale.md",
+        r"\| 10k scale: 128 -> 120 ranks \| (\d+) MB \| (\d+) MB, (\d\.\d+)x \| ([\d,]+) \| (\d+)x \|",
+        [
+            derived(
+                "scale.json: 10k one_node_lost node share in MB", lambda: _resume("10k", "one_node_lost")[0]
+            ),
+            derived(
+                "scale.json: 10k one_node_lost worst node in MB", lambda: _resume("10k", "one_node_lost")[1]
+            ),
+            result("scale.json", "10k.resume_reads.cases.one_node_lost.node_bytes_over_share.value"),
+            derived("scale.json: 10k worst node's requests", lambda: _resume("10k", "one_node_lost")[2]),
+            result("scale.json", "10k.resume_reads.cases.one_node_lost.node_bytes_over_share_before"),
+        ],
+    ),
+    (
+        "README.md",
+        r"in byte ranges, (\d\.\d+)x a node's share of ViT-H's tag on 1,024 -> 1,016 ranks \(every node downloaded the whole tag before: (\d+)x\)",
+        [
+            result("scale.json", "jft.resume_reads.cases.one_node_lost.node_bytes_over_share.value"),
+            result("scale.json", "jft.resume_reads.cases.one_node_lost.node_bytes_over_share_before"),
         ],
     ),
     (
