@@ -91,7 +91,9 @@ def test_a_file_that_is_not_a_torch_save_is_a_layout_mismatch_naming_it(tmp_path
 def test_a_part_on_neither_this_disk_nor_a_bucket_says_what_to_set(tmp_path):
     record = {"world_size": 2, "files": {"zero_pp_rank_1_mp_rank_00_optim_states.pt": {"bytes": 10}}}
     sources = Sources(tmp_path / tag_for(2), record, None)
-    with pytest.raises(FileNotFoundError, match=r"not on this node's disk and no checkpoint.uri"):
+    with pytest.raises(
+        FileNotFoundError, match=r"not on this node.s disk as COMPLETE.json lists it .* no checkpoint.uri"
+    ):
         sources.read("zero_pp_rank_1_mp_rank_00_optim_states.pt", 0, 4)
 
 
@@ -138,3 +140,25 @@ def test_the_ranks_parts_tile_the_saved_parts_exactly(saved, world):
             assert span.saved * old + span.start == rank * new + span.at
             seen += range(rank * new + span.at, rank * new + span.at + span.count)
     assert seen == list(range(saved * old))
+
+
+@pytest.mark.unit
+def test_a_file_left_on_this_disk_by_another_save_is_read_from_the_bucket(s3, tmp_path):
+    """A file of the listed size whose sha256 is not the listed one (left by a save that never completed) is
+    not read: the bucket's is."""
+    torch.manual_seed(1)
+    obj = {"optimizer_state_dict": {"x": torch.randn(5_000)}}
+    sources = _saved(tmp_path, Store(s3("stale")), obj)
+    stale = sources.tag_dir / "states.pt"
+    torch.save({"optimizer_state_dict": {"x": torch.randn(5_000)}}, stale)
+    assert stale.stat().st_size == sources.size("states.pt")
+    file = TorchFile(sources, "states.pt")
+    ref = file.obj["optimizer_state_dict"]["x"]
+    out = torch.zeros(100)
+    read_pieces([_Piece(file, *file.byte_range(ref, 10, 100), out)])
+    assert torch.equal(out, obj["optimizer_state_dict"]["x"][10:110]) and sources.bucket_requests > 0
+    alone = Sources(sources.tag_dir, {"world_size": 2, "files": sources.files}, None)
+    with pytest.raises(
+        FileNotFoundError, match=r"states.pt: not on this node's disk as COMPLETE.json lists it"
+    ):
+        TorchFile(alone, "states.pt")

@@ -25,8 +25,9 @@ to DeepSpeed's universal conversion of the whole tag (`checkpoint.to_universal`)
 The weight EMA's files (safetensors) are read the same way: a rank reads its share's slices of the files
 that hold them (`SafetensorsParts`), not the files.
 
-The ranges read are checked against the sizes COMPLETE.json records, not its sha256s (a hash covers a
-whole file); the files read whole here (model states, rank 0's state) are checked in full.
+A file on this node's disk is read only where it matches COMPLETE.json's size and sha256 (a rank hashes the
+few files it reads from); the ranges read from the bucket are checked against the sizes it records, not its
+sha256s, which cover whole files.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from data_prep.storage import Store
+from data_prep.tario import file_sha256
 from pipeline.train.tag import ZERO3_STATES, model_states, optim_files
 
 log = logging.getLogger(__name__)
@@ -109,8 +111,8 @@ class _WithoutTensors(pickle.Unpickler):
 
 
 class Sources:
-    """The files of one checkpoint tag, read in byte ranges: from this node's disk where it holds a file
-    whole (the size COMPLETE.json records), else from `store`. Counts the bytes and requests that went
+    """The files of one checkpoint tag, read in byte ranges: from this node's disk where it holds a file as
+    COMPLETE.json lists it (size and sha256), else from `store`. Counts the bytes and requests that went
     to the store."""
 
     def __init__(self, tag_dir: Path, record: dict, store: Store | None):
@@ -124,11 +126,24 @@ class Sources:
             raise LayoutMismatch(f"{self.tag_dir.name}: COMPLETE.json lists no {name}")
         return self.files[name]["bytes"]
 
+    def _held(self, path: Path, name: str) -> bool:
+        """Whether this node's disk holds the file as the tag lists it: its size, and its sha256 (a file left
+        by a save that never completed can have the size of the one listed)."""
+        meta = self.files[name]
+        if not path.is_file() or path.stat().st_size != meta["bytes"]:
+            return False
+        return "sha256" not in meta or file_sha256(path) == meta["sha256"]
+
+    def open(self, name: str) -> None:
+        """Find where the file is read from (this disk, or the store), or raise: before a reader that would
+        take an error reading it for something else (zipfile: a file that is not a zip)."""
+        self._handle(name)
+
     def _handle(self, name: str):
         with self._lock:
             if name not in self._open:
                 path = self.tag_dir / name
-                if path.is_file() and path.stat().st_size == self.size(name):
+                if self._held(path, name):
                     self._open[name] = ("local", path)
                 elif self.store is not None:
                     remote = self.store.open_file(f"{self.tag_dir.name}/{name}")
@@ -140,8 +155,9 @@ class Sources:
                     self._open[name] = ("store", remote)
                 else:
                     raise FileNotFoundError(
-                        f"{path}: not on this node's disk and no checkpoint.uri to read it from (a resume on "
-                        "another number of ranks reads parts of every saved rank's optimizer states)"
+                        f"{path}: not on this node's disk as COMPLETE.json lists it (missing, or another size or "
+                        "sha256) and no checkpoint.uri to read it from (a resume on another number of ranks "
+                        "reads parts of the saved ranks' files)"
                     )
             return self._open[name]
 
@@ -221,6 +237,7 @@ class TorchFile:
 
     def __init__(self, sources: Sources, name: str):
         self.sources, self.name = sources, name
+        sources.open(name)
         raw = _RangeFile(sources, name)
         try:
             archive = zipfile.ZipFile(raw)
