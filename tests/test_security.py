@@ -294,3 +294,20 @@ def test_local_ranks_count_the_workers_of_each_ray_node():
     assert local_ranks(["a", "a", "b", "b"]) == [(0, 2, 0), (1, 2, 0), (0, 2, 1), (1, 2, 1)]
     assert local_ranks(["a", "b", "a"]) == [(0, 2, 0), (0, 1, 1), (1, 2, 0)]
     assert local_ranks(["only"]) == [(0, 1, 0)]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("given", "kept"), [(None, True), ("false", False), ("true", True)])
+def test_mlflow_telemetry_is_off_unless_the_environment_turns_it_on(given, kept):
+    """MLflow 3 reports usage to its servers by default; a process of the pipeline does not, unless its
+    environment says MLFLOW_DISABLE_TELEMETRY=false."""
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_DISABLE_TELEMETRY"}
+    if given is not None:
+        env["MLFLOW_DISABLE_TELEMETRY"] = given
+    code = (
+        "import pipeline.tracking\n"
+        "from mlflow.environment_variables import MLFLOW_DISABLE_TELEMETRY\n"
+        "print(MLFLOW_DISABLE_TELEMETRY.get())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(kept), out.stderr[-2000:]
