@@ -116,6 +116,34 @@ def test_a_layout_it_cannot_read_in_parts_falls_back_to_the_universal_conversion
     assert record["world_size"] == 2
 
 
+@pytest.mark.dist
+@pytest.mark.timeout(900)
+def test_a_zero2_slice_saved_without_its_padding_loads_in_parts(smoke_dataset, tmp_path):
+    """ZeRO-2 on 3 ranks pads each group to a multiple of 6 elements and saves the last rank's slice without
+    its padding, shorter than the others: resumed on 1 rank, every rank still reads its part (no universal
+    conversion), and the weights, moments, hyperparameters and step counts are the saved ones."""
+    from test_world_size import adam_steps, copy_stopped, hyperparameters, moments
+
+    args = [str(tmp_path), str(smoke_dataset), "2", "data.batch_size=8"]
+    torchrun("tests/scripts/world_size.py", "save", *args, nproc=3)
+    copy_stopped(tmp_path, (2,))
+    saved = tmp_path / "zero2/switch/checkpoints/step_00000004"
+    last = torch.load(saved / "zero_pp_rank_2_mp_rank_00_optim_states.pt", weights_only=False)
+    assert any(last["optimizer_state_dict"]["group_paddings"]), "no padded slice: the case is not tested"
+    before = moments(saved)
+    out = torchrun("tests/scripts/world_size.py", "resume", *args, nproc=1)
+    log = out.stdout + out.stderr
+    assert log.count("saved by 3 ranks; resharding it for 1 (each rank reading its part)") == 2, log[-3000:]
+    resaved = tmp_path / "zero2/at4/checkpoints/step_00000004"
+    after = moments(resaved)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert hyperparameters(saved) == hyperparameters(resaved)
+    final = tmp_path / "zero2/switch/checkpoints/step_00000008"
+    record = json.loads((final / COMPLETE).read_text())
+    assert (record["world_size"], record["grad_accum"], record["global_batch"]) == (1, 3, 24)
+    assert set(adam_steps(final)) == {8.0}
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize(("saved", "world"), [(4, 2), (2, 4), (1024, 1016), (3, 5), (7, 1)])
 def test_the_ranks_parts_tile_the_saved_parts_exactly(saved, world):

@@ -68,6 +68,19 @@ def hyperparameters(tag_dir: Path) -> list[dict]:
     return out
 
 
+def adam_steps(tag_dir: Path) -> list[float]:
+    """Adam's step count of every optimizer state in rank 0's file (a group's, a sub-group's or, ZeRO-0, a
+    parameter's): a step count shared by several loses count (each increments it)."""
+    files = sorted(tag_dir.glob("*zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    if not files:
+        state = torch.load(tag_dir / "mp_rank_00_model_states.pt", weights_only=False)["optimizer"]
+        states = state.get("optimizer_state_dict", state)["state"]
+    else:
+        state = torch.load(files[0], weights_only=False)["optimizer_state_dict"]
+        states = (state.get("base_optimizer_state") or state["optimizer_state_dict"])["state"]
+    return [float(s["step"]) for s in states.values()]
+
+
 def assembled(files: list[Path]) -> dict[str, torch.Tensor]:
     """The whole weight EMA from every rank's file of a tag: each holds [start, stop) of some parameters."""
     out: dict[str, torch.Tensor] = {}
@@ -121,6 +134,12 @@ def check(out: Path, stage: int, ranks_after: int, accum_after: int) -> None:
         accum_after,
         32,
     )
+    # Four steps after the resume, every state's count is four more (ZeRO-0 under bf16 counts one more
+    # throughout: DeepSpeed's wrapper initialises Adam's states with a step of zero gradients).
+    (at4,) = set(adam_steps(saved))
+    assert set(adam_steps(final)) == {at4 + 4}, (
+        f"ZeRO-{stage}: Adam's steps {adam_steps(final)}, {at4} at step 4"
+    )
     deal = torch.load(final / "rank_0.pt", weights_only=False)["extra"]["data"]
     assert (deal["world_size"], deal["grad_accum"], deal["base_step"]) == (ranks_after, accum_after, 4)
     for r in range(1, ranks_after):  # the stream's position is written once per checkpoint, by rank 0
@@ -145,6 +164,13 @@ def check(out: Path, stage: int, ranks_after: int, accum_after: int) -> None:
         assert abs(mean - expected) < 0.15 * expected, (mean, expected)
 
 
+def read_in_parts(log: str, saved: int, ranks: int, stages: int = 3) -> None:
+    """ZeRO 1-3 (the stages with partitioned optimizer states) each resumed twice in the log, every time by
+    reading each rank's part, never by DeepSpeed's whole-tag conversion."""
+    said = f"saved by {saved} ranks; resharding it for {ranks} (each rank reading its part)"
+    assert log.count(said) == 2 * stages and "cannot be read in parts" not in log, log[-3000:]
+
+
 def copy_stopped(out: Path, stages=STAGES) -> None:
     for stage in stages:
         shutil.copytree(out / f"zero{stage}/switch", out / f"zero{stage}/at4")
@@ -154,9 +180,10 @@ def copy_stopped(out: Path, stages=STAGES) -> None:
 def test_two_ranks_resume_on_one_per_zero_stage(smoke_dataset, tmp_path):
     torchrun("tests/scripts/world_size.py", "save", str(tmp_path), str(smoke_dataset), *map(str, STAGES))
     copy_stopped(tmp_path)
-    torchrun(
+    out = torchrun(
         "tests/scripts/world_size.py", "resume", str(tmp_path), str(smoke_dataset), *map(str, STAGES), nproc=1
     )
+    read_in_parts(out.stdout + out.stderr, 2, 1)
     for stage in STAGES:
         check(tmp_path, stage, ranks_after=1, accum_after=2)
 
@@ -167,7 +194,8 @@ def test_one_rank_resumes_on_two_per_zero_stage_in_bf16(smoke_dataset, tmp_path)
     args = [str(tmp_path), str(smoke_dataset), *map(str, (3, 0, 1, 2)), "deepspeed.precision=bf16"]
     torchrun("tests/scripts/world_size.py", "save", *args, "deepspeed.grad_accum=2", nproc=1)
     copy_stopped(tmp_path)
-    torchrun("tests/scripts/world_size.py", "resume", *args)
+    out = torchrun("tests/scripts/world_size.py", "resume", *args)
+    read_in_parts(out.stdout + out.stderr, 1, 2)
     assert (tmp_path / "zero3/straight").is_dir()
     for stage in STAGES:
         check(tmp_path, stage, ranks_after=2, accum_after=1)

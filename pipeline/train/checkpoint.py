@@ -183,11 +183,12 @@ def _load_tag(engine, ckpt_dir: Path, tag_dir: Path, universal: Path | None, loa
     finally:
         config.load_universal_checkpoint = before
     if load_optimizer and engine.zero_optimization_stage() == 3:
-        # DeepSpeed's ZeRO-3 universal loader gives every group group 0's hyperparameters (its weight decay:
-        # none, for the no-decay group first); each group's saved ones are put back (`reshard._Zero3.after`).
+        # DeepSpeed's ZeRO-3 universal loader gives every group group 0's hyperparameters and every sub-group
+        # one step tensor (`reshard.mend_zero3`).
         saved = torch.load(universal / "zero" / "optimizer_state.pt", weights_only=False)["param_groups"]
-        for group, values in zip(engine.optimizer.optimizer.param_groups, saved):
-            group.update({k: v for k, v in values.items() if k != "params"})
+        reshard.mend_zero3(engine.optimizer.optimizer, saved)
+    elif load_optimizer:
+        reshard.own_steps(engine.optimizer.optimizer)
     return loaded
 
 
@@ -318,7 +319,16 @@ def resume(
                 )
             continue
         record = read_record(tag_dir)
-        plan, ranged = None, saved_by != world_size and bool(optim_files(record))
+        if saved_by != world_size and not load_optimizer and engine.zero_optimization_stage() == 3:
+            raise RuntimeError(
+                f"{tag_dir}: saved by {saved_by} ranks, resumed on {world_size} with debug.resume_optimizer: false; "
+                "DeepSpeed loads a ZeRO-3 checkpoint without its optimizer only on the number of ranks that saved "
+                f"it (its module-only load reads the consolidated weights of that layout): resume on {saved_by} "
+                "ranks, or with the optimizer"
+            )
+        plan, ranged = None, saved_by != world_size
+        if ranged:  # every rank the same path, though a node's copy of COMPLETE.json decides it
+            ranged = all_agree(bool(optim_files(record)), group)
         if ranged:  # each rank reads its part of the optimizer states (pipeline.train.reshard)
             failure = None
             try:
@@ -333,13 +343,21 @@ def resume(
                         tag_dir.name,
                         failure or "another rank found its layout unknown",
                     )
+                if plan is not None:
+                    plan.close()
                 plan, ranged = None, False
                 if not _whole_tag(tag_dir, store, rank, world_size, local_rank, group):
                     continue
             elif not all_agree(failure is None, group):
-                log.warning(
-                    "rank %d: checkpoint %s could not be read in parts: %r", rank, tag_dir.name, failure
-                )
+                if plan is not None:
+                    plan.close()
+                if rank == 0 or failure:
+                    log.warning(
+                        "rank %d: skipping checkpoint %s: it could not be read in parts: %s",
+                        rank,
+                        tag_dir.name,
+                        repr(failure) if failure else "another rank could not read its part",
+                    )
                 continue
             else:
                 log.info(
@@ -377,7 +395,7 @@ def resume(
                 )
         try:
             if plan is not None:
-                path, client_state = reshard.apply(engine, plan, tag_dir, record, load_optimizer)
+                path, client_state = reshard.apply(engine, plan, load_optimizer)
             else:
                 path, client_state = _load(engine, ckpt_dir, tag_dir, universal, load_optimizer)
             # Its own RNG states where the world size is the same; the stage's `extra` is rank 0's alone.
@@ -390,6 +408,9 @@ def resume(
         except Exception as exc:  # a file that hashes right but does not load: treat as broken
             log.warning("rank %d: checkpoint %s failed to load: %r", rank, tag_dir, exc)
             loaded = False
+        finally:
+            if plan is not None:
+                plan.close()
         if not all_agree(loaded, group):
             continue
         step = int(client_state["step"])

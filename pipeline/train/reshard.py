@@ -38,6 +38,7 @@ import logging
 import math
 import os
 import pickle
+import shutil
 import struct
 import tempfile
 import threading
@@ -102,6 +103,11 @@ class _WithoutTensors(pickle.Unpickler):
     def find_class(self, module, name):
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
             return _rebuild
+        if (module, name) in (
+            ("torch._utils", "_rebuild_parameter"),
+            ("torch._utils", "_rebuild_parameter_with_state"),
+        ):
+            return lambda data, *_: data  # an nn.Parameter: its tensor
         return super().find_class(module, name)
 
     def persistent_load(self, pid):
@@ -463,6 +469,20 @@ class _Plan:
         self.files: dict[int, TorchFile] = {}
         self.restore: list = []
 
+    def stage(self, tag_dir: Path, record: dict) -> None:
+        """The folder DeepSpeed's universal loader reads: the tag's model states (a link) and the optimizer's
+        global state, written before any rank loads (a failure here is agreed on like a read's)."""
+        self.folder = Path(tempfile.mkdtemp(prefix="vitpipe-reshard-")) / "ranged"
+        (self.folder / "zero").mkdir(parents=True)
+        states = model_states(record)
+        os.symlink((tag_dir / states).resolve(), self.folder / states)
+        torch.save(self.global_sd, self.folder / "zero" / "optimizer_state.pt")
+
+    def close(self) -> None:
+        if getattr(self, "folder", None) is not None:
+            shutil.rmtree(self.folder.parent, ignore_errors=True)
+            self.folder = None
+
     def file(self, rank: int) -> TorchFile:
         if rank not in self.files:
             self.files[rank] = TorchFile(self.sources, self.names[rank])
@@ -502,17 +522,27 @@ class _Zero12(_Plan):
             for span in zero12_spans(g, old, new, self.saved, self.rank):
                 i = span.saved
                 file, state = self.file(i), self.state(i)
-                if state["single_partition_of_fp32_groups"][g].numel != old:
-                    raise LayoutMismatch(f"{self.where(i, g)}: slices of unequal sizes")
-                self.check_saved(i, g, old, spans)
                 refs = {
                     "fp32": state["single_partition_of_fp32_groups"][g],
                     "exp_avg": state["base_optimizer_state"]["state"][g]["exp_avg"],
                     "exp_avg_sq": state["base_optimizer_state"]["state"][g]["exp_avg_sq"],
                 }
+                # DeepSpeed saves a slice without the group's end padding (the last rank's, where the group
+                # does not divide): that rank's slice is shorter by it, the rest of the span is padding.
+                real = refs["fp32"].numel
+                padding = state["group_paddings"][g]
+                if real + padding != old or (padding and i != self.saved - 1):
+                    raise LayoutMismatch(
+                        f"{self.where(i, g)}: a slice of {real} + {padding} padding, not {old}"
+                    )
+                if any(ref.numel != real for ref in refs.values()):
+                    raise LayoutMismatch(f"{self.where(i, g)}: moments of {[r.numel for r in refs.values()]}")
+                self.check_saved(i, g, old, spans)
+                count = min(span.count, real - span.start)
                 for key, ref in refs.items():
-                    offset, length = file.byte_range(ref, span.start, span.count)
-                    pieces.append(_Piece(file, offset, length, buffers[key][span.at : span.at + span.count]))
+                    if count > 0:
+                        offset, length = file.byte_range(ref, span.start, count)
+                        pieces.append(_Piece(file, offset, length, buffers[key][span.at : span.at + count]))
         read_pieces(pieces)
         self.steps = [_materialized(s, self.file(0)) for s in self.steps]
         self.global_sd = self.global_state()
@@ -547,7 +577,8 @@ class _Zero12(_Plan):
                 )
 
     def after(self) -> None:
-        """Nothing to mend: DeepSpeed's ZeRO-1/2 loader sets each group's own hyperparameters."""
+        """DeepSpeed's ZeRO-1/2 loader sets each group's own hyperparameters; the step counts are mended."""
+        own_steps(self.optimizer.optimizer)
 
     def global_state(self) -> dict:
         first = self.state(0)
@@ -595,7 +626,15 @@ class _Zero3(_Plan):
 
     def __init__(self, engine, sources: Sources, record: dict):
         super().__init__(engine, sources, record)
-        saved = zero3_offsets(TorchFile(sources, ZERO3_STATES).obj["param_shapes"], self.saved)
+        shapes = TorchFile(sources, ZERO3_STATES).obj["param_shapes"]
+        saved = zero3_offsets(shapes, self.saved)
+        totals = [sum(-(-math.prod(s) // self.saved) for s in group.values()) for group in shapes]
+        groups = self.state(0)["optimizer_state_dict"]["param_groups"]
+        if sorted(i for pg in groups for i in pg["params"]) != list(range(len(shapes))):
+            raise LayoutMismatch(
+                f"{self.where(0, 0)}: sub-groups {[pg['params'] for pg in groups]}, shapes of {len(shapes)}"
+            )
+        checked: set[int] = set()
         self.parts: dict[tuple[str, str], torch.Tensor] = {}
         pieces = []
         opt = self.optimizer
@@ -618,6 +657,13 @@ class _Zero3(_Plan):
                         "exp_avg": state["optimizer_state_dict"]["state"][g]["exp_avg"],
                         "exp_avg_sq": state["optimizer_state_dict"]["state"][g]["exp_avg_sq"],
                     }
+                    if (span.saved, g) not in checked:  # each saved rank's flat tensors: the shapes' parts
+                        if any(ref.numel != totals[g] for ref in refs.values()):
+                            raise LayoutMismatch(
+                                f"{self.where(span.saved, g)}: flat tensors of {[r.numel for r in refs.values()]}"
+                                f" elements, the parameter shapes make {totals[g]}"
+                            )
+                        checked.add((span.saved, g))
                     for key, ref in refs.items():
                         start, length = file.byte_range(ref, span.start, span.count)
                         pieces.append(_Piece(file, start, length, parts[key][span.at : span.at + span.count]))
@@ -638,9 +684,9 @@ class _Zero3(_Plan):
     def after(self) -> None:
         """DeepSpeed's ZeRO-3 universal loader gives every parameter group group 0's hyperparameters ("should
         be the same"), which drops the weight decay of a model whose first group is the no-decay one: each
-        group's saved hyperparameters are put back, as a load on the same world size does."""
-        for group, saved in zip(self.optimizer.optimizer.param_groups, self.global_sd["param_groups"]):
-            group.update({k: v for k, v in saved.items() if k != "params"})
+        group's saved hyperparameters are put back, as a load on the same world size does, and each sub-group
+        gets its own step count (`mend_zero3`)."""
+        mend_zero3(self.optimizer.optimizer, self.global_sd["param_groups"])
 
     def hook(self) -> None:
         parts = self.parts
@@ -660,35 +706,57 @@ def plan(engine, tag_dir: Path, record: dict, store: Store | None) -> _Plan:
     layout is not the one this module reads."""
     sources = Sources(tag_dir, record, store)
     try:
-        return (_Zero3 if engine.zero_optimization_stage() == 3 else _Zero12)(engine, sources, record)
+        planned = (_Zero3 if engine.zero_optimization_stage() == 3 else _Zero12)(engine, sources, record)
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError, pickle.UnpicklingError) as exc:
+        # A structure other than the one read here (another DeepSpeed, elastic_checkpoint): not a broken tag.
+        raise LayoutMismatch(
+            f"{tag_dir}: the saved optimizer states are laid out otherwise ({exc!r})"
+        ) from exc
     finally:
         sources.close()
+    planned.stage(tag_dir, record)
+    return planned
 
 
-def apply(engine, plan: _Plan, tag_dir: Path, record: dict, load_optimizer: bool):
+def apply(engine, plan: _Plan, load_optimizer: bool):
     """Load the planned fragments, the tag's model states and its optimizer's global state (loss scale, step,
-    parameter groups) into `engine` through DeepSpeed's universal-checkpoint loader. Returns its (load path,
-    client state)."""
-    with tempfile.TemporaryDirectory(prefix="vitpipe-reshard-") as tmp:
-        folder = Path(tmp) / "ranged"
-        (folder / "zero").mkdir(parents=True)
-        states = model_states(record)
-        os.symlink((tag_dir / states).resolve(), folder / states)
-        torch.save(plan.global_sd, folder / "zero" / "optimizer_state.pt")
-        config = engine._config  # DeepSpeed reads the flag at load time; the engine was built without it
-        before = config.load_universal_checkpoint
-        config.load_universal_checkpoint = True
-        plan.hook()
-        try:
-            loaded = engine.load_checkpoint(
-                tmp,
-                tag=folder.name,
-                load_optimizer_states=load_optimizer,
-                load_lr_scheduler_states=load_optimizer,
-            )
-            if load_optimizer:
-                plan.after()
-            return loaded
-        finally:
-            plan.unhook()
-            config.load_universal_checkpoint = before
+    parameter groups) into `engine` through DeepSpeed's universal-checkpoint loader, from the folder `plan`
+    staged. Returns its (load path, client state)."""
+    config = engine._config  # DeepSpeed reads the flag at load time; the engine was built without it
+    before = config.load_universal_checkpoint
+    config.load_universal_checkpoint = True
+    plan.hook()
+    try:
+        loaded = engine.load_checkpoint(
+            str(plan.folder.parent),
+            tag=plan.folder.name,
+            load_optimizer_states=load_optimizer,
+            load_lr_scheduler_states=load_optimizer,
+        )
+        if load_optimizer:
+            plan.after()
+        return loaded
+    finally:
+        plan.unhook()
+        config.load_universal_checkpoint = before
+
+
+def own_steps(optimizer: torch.optim.Optimizer) -> None:
+    """Each parameter's Adam step count its own tensor, where torch keeps it: DeepSpeed's universal loaders
+    give one loaded tensor to several (ZeRO-3: every sub-group), which torch then increments in place once per
+    sub-group a step, and leave it on the CPU, where a fused or capturable Adam wants it on the parameter's
+    device (as torch's own load_state_dict puts it)."""
+    on_device = any(g.get("fused") or g.get("capturable") for g in optimizer.param_groups)
+    for param, state in optimizer.state.items():
+        step = state.get("step")
+        if torch.is_tensor(step):
+            state["step"] = step.detach().clone().to(param.device if on_device else "cpu", torch.float32)
+
+
+def mend_zero3(optimizer: torch.optim.Optimizer, saved_groups: list[dict]) -> None:
+    """After DeepSpeed's ZeRO-3 universal load: each group's saved hyperparameters back (the loader gives
+    every group the first's, no weight decay where the first is the no-decay group), and each sub-group its
+    own step count (`own_steps`)."""
+    for group, saved in zip(optimizer.param_groups, saved_groups):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+    own_steps(optimizer)
