@@ -527,15 +527,15 @@ class _Zero12(_Plan):
                     "exp_avg": state["base_optimizer_state"]["state"][g]["exp_avg"],
                     "exp_avg_sq": state["base_optimizer_state"]["state"][g]["exp_avg_sq"],
                 }
-                # DeepSpeed saves a slice without the group's end padding (the last rank's, where the group
-                # does not divide): that rank's slice is shorter by it, the rest of the span is padding.
+                # DeepSpeed saves the fp32 slice without the group's end padding (the last rank's, where the
+                # group does not divide; the moments keep it): the rest of the span is padding, left zero.
                 real = refs["fp32"].numel
                 padding = state["group_paddings"][g]
                 if real + padding != old or (padding and i != self.saved - 1):
                     raise LayoutMismatch(
                         f"{self.where(i, g)}: a slice of {real} + {padding} padding, not {old}"
                     )
-                if any(ref.numel != real for ref in refs.values()):
+                if any(ref.numel not in (real, old) for ref in refs.values()):  # moments: padded or not
                     raise LayoutMismatch(f"{self.where(i, g)}: moments of {[r.numel for r in refs.values()]}")
                 self.check_saved(i, g, old, spans)
                 count = min(span.count, real - span.start)
