@@ -52,7 +52,7 @@ from data_prep.storage import Store
 from data_prep.tario import file_sha256
 from pipeline.train import reshard
 from pipeline.train.tag import COMPLETE, UNIVERSAL, files_read, optim_files, read_record, set_rng_state
-from pipeline.train.transfer import fetch, remote_tags
+from pipeline.train.transfer import fetch_for_node, remote_tags
 
 log = logging.getLogger(__name__)
 
@@ -236,16 +236,7 @@ def _whole_tag(
     node's first local rank: what DeepSpeed's universal conversion reads. True on every rank, or on none."""
     problem = verify(tag_dir, rank, world_size, local_rank, whole=True)
     if store is not None and not all_agree(problem is None, group):
-        if local_rank == 0 and problem:
-            fetched, whole = fetch(store, tag_dir, [], world_size, whole=True)
-            log.info(
-                "rank %d: fetched the whole checkpoint %s: %d of its %d bytes",
-                rank,
-                tag_dir.name,
-                fetched,
-                whole,
-            )
-        dist.barrier(group=group)
+        fetch_for_node(store, tag_dir, rank, local_rank, world_size, problem, group, whole=True)
         problem = verify(tag_dir, rank, world_size, local_rank, whole=True)
     if problem:
         log.warning("rank %d: skipping checkpoint %s: %s", rank, tag_dir, problem)
@@ -282,24 +273,8 @@ def resume(
     for tag_dir in tags:
         problem = verify(tag_dir, rank, world_size, local_rank)
         if tag_dir.name in remote and not all_agree(problem is None, group):
-            # Fetch the stored copy onto every node where some rank lacks its part (its first local rank
-            # fetches), then check it as any other. A node's ranks are numbered from its first local rank's:
-            # after a restart a node may hold ranks whose files another node wrote.
-            node = rank - local_rank
-            seen: list = [None] * dist.get_world_size()
-            dist.all_gather_object(seen, (node, rank, problem), group=group)
-            if local_rank == 0 and any(p for n, _, p in seen if n == node):
-                fetched, whole = fetch(store, tag_dir, [r for n, r, _ in seen if n == node], world_size)
-                log.info(
-                    "rank %d: fetched checkpoint %s from %s for this node's ranks: %d of its %d bytes",
-                    rank,
-                    tag_dir.name,
-                    store.describe(),
-                    fetched,
-                    whole,
-                )
-            dist.barrier(group=group)
-            problem = verify(tag_dir, rank, world_size, local_rank)
+            fetch_for_node(store, tag_dir, rank, local_rank, world_size, problem, group)
+            problem = verify(tag_dir, rank, world_size, local_rank)  # the stored copy, checked as any other
         if not all_agree(problem is None, group):
             if rank == 0 or problem:
                 log.warning(

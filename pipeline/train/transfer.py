@@ -11,6 +11,7 @@ where DeepSpeed's universal conversion must run.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch.distributed as dist
@@ -19,6 +20,8 @@ from data_prep import atomic
 from data_prep.storage import Store
 from data_prep.tario import file_sha256
 from pipeline.train.tag import COMPLETE, files_read
+
+log = logging.getLogger(__name__)
 
 DOWNLOADS = 8  # files of a tag fetched at once by a node
 
@@ -48,6 +51,36 @@ def fetch(
     store.download_files(tag, missing, tag_dir, workers=DOWNLOADS)
     atomic.write_text(tag_dir / COMPLETE, json.dumps(record, indent=1))
     return sum(files[n]["bytes"] for n in missing), sum(f["bytes"] for f in files.values())
+
+
+def fetch_for_node(
+    store: Store,
+    tag_dir: Path,
+    rank: int,
+    local_rank: int,
+    world_size: int,
+    problem: str | None,
+    group,
+    whole: bool = False,
+) -> None:
+    """Every rank: the stored copy of the tag onto every node where some rank found a `problem` with its part
+    (its first local rank fetches what the node's ranks read, `fetch`; `whole`: every file), then a barrier.
+    A node's ranks are numbered from its first local rank's: after a restart a node may hold ranks whose
+    files another node wrote."""
+    node = rank - local_rank
+    seen: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(seen, (node, rank, problem), group=group)
+    if local_rank == 0 and any(p for n, _, p in seen if n == node):
+        fetched, size = fetch(store, tag_dir, [r for n, r, _ in seen if n == node], world_size, whole)
+        log.info(
+            "rank %d: fetched checkpoint %s from %s for this node's ranks: %d of its %d bytes",
+            rank,
+            tag_dir.name,
+            store.describe(),
+            fetched,
+            size,
+        )
+    dist.barrier(group=group)
 
 
 def remote_tags(store: Store | None, rank: int, group, broadcast: bool = True) -> list[str]:

@@ -17,7 +17,11 @@ from pipeline.distributed import shutdown_distributed
 
 def main() -> None:
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
-    for name in ("pipeline.train.checkpoint", "pipeline.train.loop"):  # what each node read from the bucket
+    for name in (
+        "pipeline.train.checkpoint",
+        "pipeline.train.transfer",
+        "pipeline.train.loop",
+    ):  # what each node read from the bucket
         logging.getLogger(name).setLevel(logging.INFO)
     root, data, out, uri, extra = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), sys.argv[4], sys.argv[5:]
     # OUT_DIR (MLflow) is shared; rank 0 alone writes it
