@@ -21,9 +21,11 @@ credentials are in the environment. What each rank does, `--repeats` times (medi
   `--every-steps` steps (100 by default) spends held by saves (goal <= 1%); sync_stall_fraction the same
   for save_s, and stall_fraction_with_contention adds contention_s.
 Then one rank alone (`torchrun --nproc-per-node 1`, a node lost for good) resumes the 2-rank checkpoint:
-- reshard_resume_s: the local folder deleted again, `checkpoint.resume` on 1 rank: download the whole tag,
-  convert it to a universal checkpoint (`ds_to_universal`), load its partition; against resume_s, the
-  same-world-size resume of the same run (reshard_over_resume).
+- reshard_resume_s: the local folder deleted again, `checkpoint.resume` on 1 rank: read its part of both
+  saved ranks' optimizer states in byte ranges from the bucket (`pipeline.train.reshard`; on one rank, all of
+  it) and load it; against resume_s, the same-world-size resume of the same run (reshard_over_resume).
+  Measured at 2afc328 and before, this downloaded the whole tag and converted it to a universal checkpoint
+  (`ds_to_universal`): 13.9 s, 2.54x the resume.
 """
 
 from __future__ import annotations

@@ -200,6 +200,15 @@ CLAIMS = [
         ],
     ),
     (
+        "docs/scale.md",
+        r"one rank resuming what two saved takes (\d\.\d+) s, (\d\.\d+)x the same-world-size resume's (\d\.\d+) s",
+        [
+            result("multinode.json", "median_reshard_resume_s"),
+            result("multinode.json", "reshard_over_resume"),
+            result("multinode.json", "median_resume_s"),
+        ],
+    ),
+    (
         "README.md",
         r"in byte ranges, (\d\.\d+)x a node's share of ViT-H's tag on 1,024 -> 1,016 ranks \(every node downloaded the whole tag before: (\d+)x\)",
         [
