@@ -513,7 +513,8 @@ class _Zero12(_Plan):
         first = self.state(0)
         self.buffers, self.steps, pieces = [], [], []
         for g, lp_group in enumerate(self.lp_groups):
-            old = first["single_partition_of_fp32_groups"][g].numel
+            # a saved slice's length with padding: rank 0's (unpadded unless it is also the last, saved alone)
+            old = first["single_partition_of_fp32_groups"][g].numel + first["group_paddings"][g]
             new = partitions[g].numel()
             buffers = {k: torch.zeros(new, dtype=torch.float32) for k in STATES}
             self.buffers.append(buffers)
