@@ -43,6 +43,23 @@ def _resume(scale: str, case: str) -> tuple[float, float, float]:
     return figures["node_share_bytes"] / 1e6, worst["bytes"] / 1e6, worst["requests"]
 
 
+def _resume_row(head: str, scale: str, case: str) -> tuple:
+    """A row of docs/scale.md's resume table (`head`: its label, the share and the worst node's MB; then the
+    ratio, the requests and the ratio before) against bench/results/scale.json."""
+    where = f"{scale}.resume_reads.cases.{case}"
+    return (
+        "docs/scale.md",
+        head + r", (\d\.\d+)x \| ([\d,]+) \| (?:10.49 GB, )?(\d+)x \|",
+        [
+            derived(f"scale.json: {scale} {case} node share in MB", lambda: _resume(scale, case)[0]),
+            derived(f"scale.json: {scale} {case} worst node in MB", lambda: _resume(scale, case)[1]),
+            result("scale.json", f"{where}.node_bytes_over_share.value"),
+            derived(f"scale.json: {scale} {case} worst node's requests", lambda: _resume(scale, case)[2]),
+            result("scale.json", f"{where}.node_bytes_over_share_before"),
+        ],
+    )
+
+
 def derived(doc: str, fn: Callable[[], float]) -> Callable[[], float]:
     fn.__doc__ = doc
     return fn
@@ -155,50 +172,9 @@ CLAIMS = [
             result("scale.json", "10k.deal_s.one_node_lost.value"),
         ],
     ),
-    (
-        "docs/scale.md",
-        r"\| 1,016 ranks \(a node lost\) \| (\d+\.\d) MB \| (\d+\.\d) MB, (\d\.\d+)x \| ([\d,]+) \| 10.49 GB, (\d+)x \|",
-        [
-            derived(
-                "scale.json: jft one_node_lost node share in MB", lambda: _resume("jft", "one_node_lost")[0]
-            ),
-            derived(
-                "scale.json: jft one_node_lost worst node in MB", lambda: _resume("jft", "one_node_lost")[1]
-            ),
-            result("scale.json", "jft.resume_reads.cases.one_node_lost.node_bytes_over_share.value"),
-            derived(
-                "scale.json: jft one_node_lost worst node's requests",
-                lambda: _resume("jft", "one_node_lost")[2],
-            ),
-            result("scale.json", "jft.resume_reads.cases.one_node_lost.node_bytes_over_share_before"),
-        ],
-    ),
-    (
-        "docs/scale.md",
-        r"\| 512 ranks \(half\) \| (\d+\.\d) MB \| (\d+\.\d) MB, (\d\.\d+)x \| ([\d,]+) \| 10.49 GB, (\d+)x \|",
-        [
-            derived("scale.json: jft half node share in MB", lambda: _resume("jft", "half")[0]),
-            derived("scale.json: jft half worst node in MB", lambda: _resume("jft", "half")[1]),
-            result("scale.json", "jft.resume_reads.cases.half.node_bytes_over_share.value"),
-            derived("scale.json: jft half worst node's requests", lambda: _resume("jft", "half")[2]),
-            result("scale.json", "jft.resume_reads.cases.half.node_bytes_over_share_before"),
-        ],
-    ),
-    (
-        "docs/scale.md",
-        r"\| 10k scale: 128 -> 120 ranks \| (\d+) MB \| (\d+) MB, (\d\.\d+)x \| ([\d,]+) \| (\d+)x \|",
-        [
-            derived(
-                "scale.json: 10k one_node_lost node share in MB", lambda: _resume("10k", "one_node_lost")[0]
-            ),
-            derived(
-                "scale.json: 10k one_node_lost worst node in MB", lambda: _resume("10k", "one_node_lost")[1]
-            ),
-            result("scale.json", "10k.resume_reads.cases.one_node_lost.node_bytes_over_share.value"),
-            derived("scale.json: 10k worst node's requests", lambda: _resume("10k", "one_node_lost")[2]),
-            result("scale.json", "10k.resume_reads.cases.one_node_lost.node_bytes_over_share_before"),
-        ],
-    ),
+    _resume_row(r"\| 1,016 ranks \(a node lost\) \| (\d+\.\d) MB \| (\d+\.\d) MB", "jft", "one_node_lost"),
+    _resume_row(r"\| 512 ranks \(half\) \| (\d+\.\d) MB \| (\d+\.\d) MB", "jft", "half"),
+    _resume_row(r"\| 10k scale: 128 -> 120 ranks \| (\d+) MB \| (\d+) MB", "10k", "one_node_lost"),
     (
         "docs/scale.md",
         r"one rank resuming what two saved takes (\d\.\d+) s, (\d\.\d+)x the same-world-size resume's (\d\.\d+) s",
