@@ -432,7 +432,7 @@ def plan_child(manifest: str, out: str, workers: int, full: bool) -> None:
         root.make()
         with Executor(workers) as executor:
             planner = RangedPlanner.make(source, root, "", job_fingerprint(source, opts), opts)
-            planner.tally(executor)
+            planner.survey(executor)
             planner.seal()
             planner.list(executor)
             planner.sort(executor)

@@ -1,8 +1,9 @@
 """`vitpipe shard SOURCE ... OUT`: plan, write shards in parallel, then index, errors and manifest.
 
-1. Plan: list the source, assign every input to a shard; nothing is decoded yet. A Parquet manifest is
-   planned by tasks on the same workers as the shards (`ranged.py`: the driver never holds an item);
-   every other source on this process (`plan.py`).
+1. Plan: list the source, assign every input to a shard; nothing is decoded yet. A manifest (Parquet or
+   CSV) and a class folder (on a disk or a bucket prefix) are planned by tasks on the same workers as the
+   shards (`ranged.py`: the driver never holds an item); the generated sources and a flat folder with a
+   labels file on this process (`plan.py`).
 2. Write (`executors.py` -> `shard_worker.py`): whole shards, in this process, in worker processes
    or as Ray tasks; a shard already complete from an earlier run (same fingerprint, size, sha256) is
    skipped, so a killed run resumes where it stopped and ends with the same bytes.
@@ -24,7 +25,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,7 +34,7 @@ from tqdm import tqdm
 
 from data_prep.dataset_dir import DatasetDir
 from data_prep.executors import Executor
-from data_prep.finish import FinishJob, finish_index
+from data_prep.finish import FinishJob, count_reasons, finish_index, listing_table
 from data_prep.layout import (
     ERRORS,
     FORMAT_VERSION,
@@ -142,9 +143,9 @@ def build_dataset(
     )
     results: dict[tuple[str, int], ShardResult] = {}
     with Executor(opts.workers, opts.use_ray) as executor:
-        if supports_ranges(source):  # a Parquet manifest: planned in parallel, the driver sees no item
+        if supports_ranges(source):  # planned in parallel: the driver sees no item
             planner = RangedPlanner.make(source, root, scratch, fingerprint, opts)
-            planner.tally(executor)
+            planner.survey(executor)
             planner.seal()
             rows = sum(r.rows for r in planner.ranges)
             with _progress(rows, opts.progress, "listing", "row") as bar:
@@ -172,7 +173,11 @@ def build_dataset(
         if planner.num_inputs == 0:  # a generated source lists as its shards are written
             raise DatasetError(f"{source.where}: no inputs found")
         serial = isinstance(planner, Planner)
-        errors = ErrorLog.batches(planner.errors.path) if serial else planner.error_batches()
+        if serial:
+            reasons: dict[str, int] = {}
+            errors = _counted(ErrorLog.batches(planner.errors.path), reasons)
+        else:
+            errors, reasons = planner.error_tables(), planner.error_reasons()
         try:
             report = _finish(
                 executor,
@@ -182,6 +187,7 @@ def build_dataset(
                 opts,
                 planner.num_inputs,
                 errors,
+                reasons,
                 results,
                 command,
                 options or {},
@@ -194,6 +200,13 @@ def build_dataset(
             raise DatasetError(f"{root.describe()}: cannot finish the dataset ({exc})") from None
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _counted(batches: Iterable[list[tuple[str, str, str]]], reasons: dict[str, int]) -> Iterator:
+    """The serial listing's error rows as tables, counted per kind of reason into `reasons` as they go."""
+    for rows in batches:
+        count_reasons((reason for _, _, reason in rows), reasons)
+        yield listing_table(rows)
 
 
 def _serial_planner(root: DatasetDir, source: Source, opts: BuildOptions, fingerprint: str) -> Planner:
@@ -227,7 +240,8 @@ def _finish(
     source: Source,
     opts: BuildOptions,
     num_inputs: int,
-    listing_errors: Iterable[list[tuple[str, str, str]]],
+    listing_errors: Iterable,
+    listing_reasons: dict[str, int],
     results: dict[tuple[str, int], ShardResult],
     command: str,
     options: dict,
@@ -235,7 +249,7 @@ def _finish(
     ordered = [results[k] for k in sorted(results)]
     _remove_stale(root, opts.name, ordered)
     job = FinishJob(root.location, scratch, opts.name, source.multi_label)
-    reasons = finish_index(executor, root, job, ordered, listing_errors)
+    reasons = finish_index(executor, root, job, ordered, listing_errors, listing_reasons)
     report = BuildReport(out=root, num_inputs=num_inputs, reasons=reasons)
     report.num_errors = sum(reasons.values())
     report.num_written = sum(r.count for r in ordered)

@@ -36,6 +36,13 @@ ERROR_SCHEMA = pa.schema(
         ("shard", pa.string()),
     ]
 )
+# The listing's rejected inputs, as planners hand them over (stage "listing", no shard).
+LISTING_SCHEMA = pa.schema([("key", pa.string()), ("source", pa.string()), ("reason", pa.string())])
+
+
+def listing_table(rows: list[tuple[str, str, str]]) -> pa.Table:
+    columns = [list(c) for c in zip(*rows)] if rows else [[], [], []]
+    return pa.table(columns, schema=LISTING_SCHEMA)
 
 
 def reason_kind(reason: str) -> str:
@@ -114,7 +121,8 @@ def write_index_part(part: IndexPart, job: FinishJob) -> dict:
     return {"index": part.index, "rows": rows, "errors": len(errors), "reasons": reasons}
 
 
-def _tables(out: DatasetDir, rels: Iterable[str]) -> Iterator[pa.Table]:
+def read_tables(out: DatasetDir, rels: Iterable[str]) -> Iterator[pa.Table]:
+    """The row groups of Parquet files `rels`, in order."""
     for rel in rels:
         with out.open_file(rel) as f:
             pf = pq.ParquetFile(f)
@@ -137,26 +145,36 @@ def finish_index(
     out: DatasetDir,
     job: FinishJob,
     results: list[ShardResult],
-    listing_errors: Iterable[list[tuple[str, str, str]]],
+    listing_errors: Iterable[pa.Table],
+    listing_reasons: dict[str, int],
 ) -> dict[str, int]:
     """index.parquet and errors.parquet (listing rejections, stage "listing", then each shard's: "read",
-    "decode", "convert", "resize", "boxes"); returns the rejected inputs per kind of reason."""
+    "decode", "convert", "resize", "boxes"); returns the rejected inputs per kind of reason.
+    `listing_errors`: tables of LISTING_SCHEMA; `listing_reasons`: their counts per kind, complete once the
+    tables have been read."""
     markers = sorted(executor.map(write_index_part, index_parts(results), job), key=lambda m: m["index"])
     schema = index_schema(job.multi_label)
-    _write(out, INDEX, schema, _tables(out, (part_rel(m["index"], "index") for m in markers)))
+    _write(out, INDEX, schema, read_tables(out, (part_rel(m["index"], "index") for m in markers)))
     counts: dict[str, int] = {}
 
     def error_tables() -> Iterator[pa.Table]:
         for listed in listing_errors:
-            count_reasons((reason for _, _, reason in listed), counts)
-            columns = [list(c) for c in zip(*listed)] if listed else [[], [], []]
-            stage = ["listing"] * len(listed)
+            n = listed.num_rows
             yield pa.table(
-                [columns[0], columns[1], stage, columns[2], [None] * len(listed)], schema=ERROR_SCHEMA
+                [
+                    listed.column("key"),
+                    listed.column("source"),
+                    pa.repeat(pa.scalar("listing"), n),
+                    listed.column("reason"),
+                    pa.nulls(n, pa.string()),
+                ],
+                schema=ERROR_SCHEMA,
             )
-        yield from _tables(out, (part_rel(m["index"], "errors") for m in markers if m["errors"]))
+        yield from read_tables(out, (part_rel(m["index"], "errors") for m in markers if m["errors"]))
 
     _write(out, ERRORS, ERROR_SCHEMA, error_tables())
+    for kind, n in listing_reasons.items():
+        counts[kind] = counts.get(kind, 0) + n
     for m in markers:
         for kind, n in m["reasons"].items():
             counts[kind] = counts.get(kind, 0) + n

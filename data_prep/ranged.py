@@ -1,13 +1,17 @@
-"""Planning a Parquet manifest in parallel: the driver handles ranges, buckets and shards, never a sample.
+"""Planning in parallel: the driver handles ranges, buckets and shards, never a sample.
 
-At JFT scale (300M rows) the serial planner (`plan.py`) lists, hashes and sorts every input on the driver,
+At JFT scale (300M inputs) the serial planner (`plan.py`) lists, hashes and sorts every input on the driver,
 which caps the whole cluster near one core's 46k inputs/s. Here each phase is a set of independent tasks run
-by the build's `Executor` (this process, worker processes or Ray tasks), MapReduce-style:
+by the build's `Executor` (this process, worker processes or Ray tasks), MapReduce-style, over the ranges of
+a ranged source (`sources.RangedSource`): a Parquet manifest's runs of row groups, a CSV manifest's byte
+spans (cut at line starts), a class folder's runs of class folders (on a disk or under a bucket prefix).
 
-1. tally (only where labels are inferred, not given by --classes): each range's distinct label values;
-   the driver merges the tallies into the label space (memory: the class names).
-2. list: each range (whole row groups of the manifest, about RANGE_ROWS rows) lists its rows as the serial
-   listing does (keys, labels, splits, a stat per local file), places each key in the shard order
+1. survey (where a range's rows are not known before it is read, as in a CSV or a folder, or where labels
+   are inferred, not given by --classes): each range's rows (per class folder for a folder) and distinct
+   label values; the driver merges the tallies into the label space (memory: the class names), numbers the
+   ranges' rows and lets the source regroup them (class folders into runs of about RANGE_ROWS files).
+2. list: each range (about RANGE_ROWS inputs) lists its inputs as the serial listing does (keys, labels,
+   splits, a stat per local file), places each key in the shard order
    (`order_hash`) and writes its items to `.work/plan_range_R.parquet`, one row group per order bucket
    (buckets cut the 64-bit hash range into equal parts: bucket b holds hashes [b, b + 1) * 2^64 / B), and
    its rejected rows to `plan_range_R.errors.parquet`.
@@ -24,12 +28,12 @@ split gets up to B - 1 shorter shards (at 300M rows and 1,000 per shard: 300 of 
 manifest's row count and ranges from its row groups, and every sort is total, so the shards are the same
 bytes whatever the number of workers or tasks.
 
-The driver holds O(ranges x buckets + shards) small numbers: never an item. It still reads the listing's
-error rows (O(rejected inputs)) into errors.parquet, and the shards' sidecars into index.parquet
-(`build._finish`); those are not yet parallel.
+The driver holds O(ranges x buckets + shards) small numbers (and O(class folders) names): never an item.
+The listing's error rows reach errors.parquet as Arrow tables copied from the parts (`finish.py`), their
+reasons counted by the tasks.
 
-Resume: each part is published whole, then a JSON marker naming the plan's fingerprint (the manifest file's
-identity and every option that moves an item); a part whose marker matches is not redone, so a killed build
+Resume: each part is published whole, then a JSON marker naming the plan's fingerprint (the source's
+identity, every range's rows and every option that moves an item); a part whose marker matches is not redone, so a killed build
 re-runs only the ranges and buckets it had not finished. The plan folder goes when the dataset is complete.
 """
 
@@ -47,13 +51,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from data_prep.dataset_dir import DatasetDir
+from data_prep.finish import LISTING_SCHEMA, count_reasons, read_tables
 from data_prep.keys import order_hash, split_for
-from data_prep.layout import WORK
+from data_prep.layout import WORK, DatasetError
 from data_prep.plan import _boxes_list, cut_shards, sample_bytes, shard_task
 from data_prep.shard_worker import ShardJob, ShardResult, write_planned_shard
-from data_prep.sources import Item, ListingError
+from data_prep.sources import Item, ListingError, RangedSource, Survey
 from data_prep.sources.labels import LabelTally
-from data_prep.sources.table import ManifestSource
 from data_prep.tario import archive_bytes
 
 RANGE_ROWS = 1_000_000  # rows per list task (whole row groups: at least one)
@@ -63,7 +67,7 @@ SLICE_ROWS = 1024  # row groups of a bucket file: a shard's read is its rows and
 # In .work/ itself, beside job.json, which stays: on object stores pyarrow puts an empty marker object for a
 # folder emptied by deletes.
 PLAN = f"{WORK}/plan"
-MANIFEST_COPY = f"{PLAN}_manifest.parquet"  # for --ray into a bucket (`RangedPlanner.make`)
+MANIFEST_COPY = f"{PLAN}_manifest"  # a manifest's copy, for --ray into a bucket (`RangedPlanner.make`)
 
 ITEM_SCHEMA = pa.schema(
     [
@@ -79,19 +83,18 @@ ITEM_SCHEMA = pa.schema(
         ("boxes", pa.string()),  # JSON [[class, [x, y, w, h]], ...]; null: no boxes column
     ]
 )
-ERROR_SCHEMA = pa.schema([("key", pa.string()), ("source", pa.string()), ("reason", pa.string())])
 
 
 def supports(source) -> bool:
-    """Whether `source` is planned here: a Parquet manifest (its footer gives the ranges)."""
-    return isinstance(source, ManifestSource) and source.parquet
+    """Whether `source` is planned here: a manifest, or a folder in the class layout."""
+    return bool(getattr(source, "ranged", False))
 
 
 @dataclass(frozen=True)
 class Range:
     index: int
-    groups: tuple[int, int]  # row groups [start, end) of the manifest
-    first_row: int  # 0-based
+    spec: tuple  # the source's own description: ("groups", a, b), ("bytes", a, b), ("folders", names...)
+    first_row: int  # 0-based, in the whole listing
     rows: int
 
 
@@ -110,7 +113,7 @@ class SliceTask:
 class Plan:
     """Everything a task needs besides its own part: the same for every task of a build, pickled once."""
 
-    source: ManifestSource
+    source: RangedSource
     root: str  # the dataset (local folder or URI)
     scratch: str
     job_fingerprint: str
@@ -151,11 +154,18 @@ def _write_parquet(out: DatasetDir, rel: str, table: pa.Table, row_group_rows: i
         pq.write_table(table, tmp, row_group_size=max(1, row_group_rows))
 
 
-# 1. tally
+# 1. survey
 
 
-def tally_range(rng: Range, plan: Plan) -> tuple[LabelTally, LabelTally | None]:
-    return plan.source.tally_rows(rng.groups)
+@dataclass(frozen=True)
+class SurveyTask:
+    index: int
+    spec: tuple
+    tally: bool
+
+
+def survey_range(task: SurveyTask, plan: Plan) -> tuple[int, Survey]:
+    return task.index, plan.source.survey(task.spec, task.tally)
 
 
 # 2. list
@@ -173,7 +183,7 @@ def list_range(rng: Range, plan: Plan) -> dict:
     tables: list[pa.Table] = []  # the range's items in Arrow, BATCH_ROWS at a time (not as Python objects)
     errors: list[tuple[str, str, str]] = []
     row = rng.first_row
-    for entry in src.list_rows(rng.groups, rng.first_row):
+    for entry in src.list_rows(rng.spec, rng.first_row):
         row += 1
         if isinstance(entry, ListingError):
             errors.append((entry.key, entry.source, entry.reason))
@@ -192,6 +202,11 @@ def list_range(rng: Range, plan: Plan) -> dict:
         if len(cols["key"]) >= BATCH_ROWS:
             tables.append(pa.table(cols, schema=ITEM_SCHEMA))
             cols = {name: [] for name in ITEM_SCHEMA.names}
+    if row - rng.first_row != rng.rows:
+        raise DatasetError(
+            f"{src.where}: changed while it was planned: range {rng.index} ({_describe(rng.spec)}) had "
+            f"{rng.rows} inputs when surveyed and {row - rng.first_row} now; re-run the command"
+        )
     table = pa.concat_tables([*tables, pa.table(cols, schema=ITEM_SCHEMA)])
     table = table.take(pc.sort_indices(table, [("bucket", "ascending"), ("row", "ascending")]))
     groups: list[list[int]] = []
@@ -211,6 +226,7 @@ def list_range(rng: Range, plan: Plan) -> dict:
         "rows": rng.rows,
         "items": table.num_rows,
         "errors": len(errors),
+        "reasons": count_reasons((reason for _, _, reason in errors), {}),
         "groups": groups,
     }
     plan.out.write_bytes(rel, json.dumps(marker).encode())  # last: the range is done
@@ -218,7 +234,14 @@ def list_range(rng: Range, plan: Plan) -> dict:
 
 
 def _errors_table(rows: list[tuple[str, str, str]]) -> pa.Table:
-    return pa.table([list(c) for c in zip(*rows)], schema=ERROR_SCHEMA)
+    return pa.table([list(c) for c in zip(*rows)], schema=LISTING_SCHEMA)
+
+
+def _describe(spec: tuple) -> str:
+    kind, *rest = spec
+    if kind == "folders":
+        return f"folders {rest[0]!r}..{rest[-1]!r}" if len(rest) > 1 else f"folder {rest[0]!r}"
+    return f"{'row groups' if kind == 'groups' else 'bytes'} {rest[0]}-{rest[1]}"
 
 
 # 3. sort
@@ -272,7 +295,13 @@ def sort_bucket(task: BucketTask, plan: Plan) -> dict:
         first += part.num_rows
     ordered = pa.concat_tables(parts) if parts else table
     _write_parquet(plan.out, bucket_rel(task.index, "parquet"), ordered.drop_columns(["bucket"]), SLICE_ROWS)
-    marker = {"plan": plan.fingerprint, "index": task.index, "duplicates": len(dups), "splits": splits}
+    marker = {
+        "plan": plan.fingerprint,
+        "index": task.index,
+        "duplicates": len(dups),
+        "reasons": count_reasons((reason for _, _, reason in dups), {}),
+        "splits": splits,
+    }
     plan.out.write_bytes(rel, json.dumps(marker).encode())  # last: the bucket is done
     return marker
 
@@ -329,24 +358,22 @@ class RangedPlanner:
     build's report needs. Memory: O(ranges x buckets present + shards)."""
 
     plan: Plan
-    ranges: list[Range]
+    specs: list[tuple[tuple, int | None]]  # the source's ranges before the survey
+    ranges: list[Range] = field(default_factory=list)
     num_inputs: int = 0
     range_markers: dict[int, dict] = field(default_factory=dict)
     bucket_markers: dict[int, dict] = field(default_factory=dict)
 
     @classmethod
     def make(
-        cls, source: ManifestSource, root: DatasetDir, scratch: str, job_fingerprint: str, opts
+        cls, source: RangedSource, root: DatasetDir, scratch: str, job_fingerprint: str, opts
     ) -> RangedPlanner:
-        ranges = [
-            Range(i, (a, b), first, rows) for i, (a, b, first, rows) in enumerate(source.ranges(RANGE_ROWS))
-        ]
-        total = sum(r.rows for r in ranges)
-        if opts.use_ray and root.remote:
+        specs = source.range_specs(RANGE_ROWS)
+        share = getattr(source, "share_through", None)
+        if opts.use_ray and root.remote and share is not None:
             # Ray tasks may run on nodes that see only their own disk and the bucket: they read the manifest's
-            # row groups from a copy beside the dataset (one streamed upload; no row is parsed here).
-            root.store.upload(source.path, MANIFEST_COPY)
-            source.copy = (root.location, MANIFEST_COPY)
+            # ranges from a copy beside the dataset (one streamed upload; no row is parsed here).
+            share(root.store, MANIFEST_COPY)
         plan = Plan(
             source,
             root.location,
@@ -357,33 +384,45 @@ class RangedPlanner:
             opts.max_size,
             opts.val_fraction,
             opts.seed,
-            buckets=max(1, math.ceil(total / BUCKET_ROWS)),
+            buckets=1,
         )
-        return cls(plan, ranges)
+        return cls(plan, specs)
 
-    def tally(self, executor) -> None:
-        """Infer the label spaces not given, from every range's tally (in parallel), unless known."""
+    def survey(self, executor) -> None:
+        """Each range's rows where unknown and the label spaces where not given (both in parallel); then the
+        ranges, numbered, and the number of buckets."""
         src = self.plan.source
-        if src.labels_known():
-            return
-        labels, boxes = LabelTally(), LabelTally() if src.has_boxes else None
-        for part_labels, part_boxes in executor.map(tally_range, self.ranges, self.plan):
-            labels.merge(part_labels)
-            if boxes is not None:
-                boxes.merge(part_boxes)
-        src.set_label_spaces(labels, boxes)
+        tally = not src.labels_known()
+        specs = self.specs
+        if tally or any(rows is None for _, rows in specs):
+            tasks = (SurveyTask(i, spec, tally) for i, (spec, _) in enumerate(specs))
+            found = dict(executor.map(survey_range, tasks, self.plan))
+            if tally:
+                labels, boxes = LabelTally(), LabelTally() if src.has_boxes else None
+                for i in sorted(found):
+                    labels.merge(found[i].labels)
+                    if boxes is not None:
+                        boxes.merge(found[i].boxes)
+                src.set_label_spaces(labels, boxes)
+            specs = src.regroup([(spec, found[i]) for i, (spec, _) in enumerate(specs)], RANGE_ROWS)
+        first = 0
+        for spec, rows in specs:
+            if rows:
+                self.ranges.append(Range(len(self.ranges), spec, first, rows))
+                first += rows
+        self.plan = replace(self.plan, buckets=max(1, math.ceil(first / BUCKET_ROWS)))
 
     def seal(self) -> None:
         """Fix the plan's fingerprint once the label spaces are known (they change the items' labels)."""
         src, p = self.plan.source, self.plan
         parts = {
             "job": p.job_fingerprint,
-            "manifest": src.identity(),
-            "ranges": [(r.groups, r.rows) for r in self.ranges],
+            "source": src.identity(),
+            "ranges": [(r.spec, r.rows) for r in self.ranges],
             "buckets": p.buckets,
             "options": [p.name, p.max_count, p.max_size, p.val_fraction, p.seed, src.split_salt],
             "classes": src.classes,
-            "detection_classes": src.detection_classes,
+            "detection_classes": getattr(src, "detection_classes", None),
         }
         digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
         self.plan = replace(self.plan, fingerprint=digest)
@@ -419,10 +458,9 @@ class RangedPlanner:
                     yield SliceTask(split, index, b, start, n)
                     start += n
 
-    def error_batches(self) -> Iterator[list[tuple[str, str, str]]]:
-        """The listing's rejected rows, in the serial planner's order: each range's (manifest order), then
-        the duplicates (shard order)."""
-        out = self.plan.out
+    def error_tables(self) -> Iterator[pa.Table]:
+        """The listing's rejected rows (LISTING_SCHEMA), in the serial planner's order: each range's (listing
+        order), then the duplicates (shard order); read by Arrow from the parts, never as Python rows."""
         parts = [
             range_rel(r, "errors.parquet")
             for r in sorted(self.range_markers)
@@ -433,12 +471,15 @@ class RangedPlanner:
             for b in sorted(self.bucket_markers)
             if self.bucket_markers[b]["duplicates"]
         ]
-        for rel in parts:
-            with out.open_file(rel) as f:
-                pf = pq.ParquetFile(f)
-                for g in range(pf.metadata.num_row_groups):
-                    t = pf.read_row_group(g)
-                    yield list(zip(*(t.column(c).to_pylist() for c in ERROR_SCHEMA.names)))
+        return read_tables(self.plan.out, parts)
+
+    def error_reasons(self) -> dict[str, int]:
+        """Rejected rows per kind of reason, as the tasks counted them."""
+        counts: dict[str, int] = {}
+        for m in [*self.range_markers.values(), *self.bucket_markers.values()]:
+            for kind, n in m["reasons"].items():
+                counts[kind] = counts.get(kind, 0) + n
+        return counts
 
     def clean(self) -> None:
         """Remove the plan's parts (the dataset is complete)."""

@@ -1,9 +1,11 @@
-"""A Parquet manifest planned in parallel (data_prep/ranged.py): the serial planner's output, the same bytes
-whatever the workers, ranges and buckets, resumable part by part, and the driver handed no item. And the
-index and errors written from parts (data_prep/finish.py): the same files however many parts.
+"""Manifests (Parquet and CSV) and class folders (on disk and under a bucket prefix) planned in parallel
+(data_prep/ranged.py): the serial planner's output, the same bytes whatever the workers, ranges and buckets,
+resumable part by part, and the driver handed no item. And the index and errors written from parts
+(data_prep/finish.py): the same files however many parts.
 
-Ranges and buckets are made small (RANGE_ROWS, BUCKET_ROWS patched on the driver, where they are read) so a
-manifest of a few hundred rows has many of each.
+Ranges and buckets are made small (RANGE_ROWS, BUCKET_ROWS, CSV_ROW_BYTES, SURVEY_FOLDERS patched on the
+driver, where they are read) so a few hundred inputs make many of each. The serial planner (`plan.py`), the
+reference, is forced by turning ranged planning off (`serial=True`).
 """
 
 import hashlib
@@ -19,7 +21,10 @@ from PIL import Image
 from data_prep import build as build_module
 from data_prep import finish, ranged
 from data_prep.build import BuildOptions, build_dataset
-from data_prep.layout import read_manifest
+from data_prep.layout import DatasetError, read_manifest
+from data_prep.sources import folder as folder_module
+from data_prep.sources import table as table_module
+from data_prep.sources.folder import FolderSource
 from data_prep.sources.table import ManifestSource
 
 pytestmark = pytest.mark.unit
@@ -54,9 +59,27 @@ def inputs(tmp_path_factory) -> tuple[Path, Path]:
     return root / "manifest.parquet", csv
 
 
-def build(manifest: Path, out: Path, workers: int = 1, **opts):
+def build(manifest, out: Path, workers: int = 1, serial: bool = False, source=None, **opts):
+    """A build of `manifest` (or of `source`); `serial`: planned on this process (`plan.py`), the reference."""
     options = BuildOptions(workers=workers, progress=False, max_errors=0.5, val_fraction=0.2, **opts)
-    return build_dataset(ManifestSource(manifest), out, options)
+    with pytest.MonkeyPatch.context() as mp:
+        if serial:
+            mp.setattr(build_module, "supports_ranges", lambda source: False)
+        return build_dataset(source or ManifestSource(manifest), out, options)
+
+
+def same_dataset(a: Path, b: Path) -> None:
+    """The same shard bytes, index, errors and manifest (but the command)."""
+    assert shard_bytes(a) == shard_bytes(b) and len(shard_bytes(a)) > 1
+    for name in ("index.parquet", "errors.parquet"):
+        assert pq.read_table(a / name).to_pylist() == pq.read_table(b / name).to_pylist(), name
+    ma, mb = read_manifest(a), read_manifest(b)
+    assert (ma.shards, ma.classes, ma.num_inputs, ma.num_errors) == (
+        mb.shards,
+        mb.classes,
+        mb.num_inputs,
+        mb.num_errors,
+    )
 
 
 def shard_bytes(root: Path) -> dict[str, str]:
@@ -72,13 +95,20 @@ def keys_in_order(root: Path, split: str) -> list[str]:
 
 
 def test_one_bucket_gives_the_serial_planners_dataset(inputs, tmp_path, monkeypatch):
-    """With one bucket, the Parquet manifest in 10 ranges (row groups of 32, two per range) gives the CSV's
-    dataset, which the serial planner makes: the same shard bytes, index, error rows and manifest."""
+    """With one bucket, the Parquet manifest in 5 ranges (row groups of 32, two per range) and the CSV in
+    byte spans of about 64 x 8 bytes give the dataset the serial planner makes of the CSV: the same shard
+    bytes, index, error rows and manifest."""
     parquet, csv = inputs
     monkeypatch.setattr(ranged, "RANGE_ROWS", 64)
-    serial = build(csv, tmp_path / "serial", max_count=16)
+    monkeypatch.setattr(table_module, "CSV_ROW_BYTES", 8)
+    serial = build(csv, tmp_path / "serial", max_count=16, serial=True)
     parallel = build(parquet, tmp_path / "ranged", max_count=16)
-    assert ranged.supports(ManifestSource(parquet)) and not ranged.supports(ManifestSource(csv))
+    build(csv, tmp_path / "ranged_csv", max_count=16)
+    same_dataset(
+        tmp_path / "ranged_csv", tmp_path / "serial"
+    )  # a row names its manifest: "manifest.csv row 6"
+    assert len(ManifestSource(csv).range_specs(64)) > 10
+    assert ranged.supports(ManifestSource(parquet)) and ranged.supports(ManifestSource(csv))
     assert (
         shard_bytes(tmp_path / "ranged") == shard_bytes(tmp_path / "serial")
         and len(shard_bytes(tmp_path / "serial")) > 10
@@ -111,13 +141,15 @@ def test_many_buckets_keep_the_order_and_the_bytes_whatever_the_workers_and_rang
     bucket ends too (never past --max-count); the same bytes with 1 or 2 worker processes and with 3 or 10
     ranges."""
     parquet, csv = inputs
-    build(csv, tmp_path / "serial", max_count=16)
+    build(csv, tmp_path / "serial", max_count=16, serial=True)
     monkeypatch.setattr(ranged, "BUCKET_ROWS", 45)  # ceil(300 / 45) = 7 buckets
     monkeypatch.setattr(ranged, "RANGE_ROWS", 100)
     build(parquet, tmp_path / "a", workers=1, max_count=16)
     monkeypatch.setattr(ranged, "RANGE_ROWS", 30)
     build(parquet, tmp_path / "b", workers=2, max_count=16)
-    assert shard_bytes(tmp_path / "a") == shard_bytes(tmp_path / "b")
+    monkeypatch.setattr(table_module, "CSV_ROW_BYTES", 4)
+    build(csv, tmp_path / "c", workers=2, max_count=16)
+    assert shard_bytes(tmp_path / "a") == shard_bytes(tmp_path / "b") == shard_bytes(tmp_path / "c")
     for split in ("train", "val", "test"):
         assert keys_in_order(tmp_path / "a", split) == keys_in_order(tmp_path / "serial", split), split
     shards = read_manifest(tmp_path / "a").shards
@@ -129,7 +161,7 @@ def test_many_buckets_keep_the_order_and_the_bytes_whatever_the_workers_and_rang
 def test_max_size_cuts_shards_as_the_serial_planner_does(inputs, tmp_path, monkeypatch):
     parquet, csv = inputs
     monkeypatch.setattr(ranged, "RANGE_ROWS", 64)
-    build(csv, tmp_path / "serial", max_count=1000, max_size=20_000)
+    build(csv, tmp_path / "serial", max_count=1000, max_size=20_000, serial=True)
     build(parquet, tmp_path / "ranged", max_count=1000, max_size=20_000)
     assert shard_bytes(tmp_path / "ranged") == shard_bytes(tmp_path / "serial")
     assert len(read_manifest(tmp_path / "ranged").shards) > 3
@@ -198,10 +230,19 @@ def test_the_driver_hands_out_only_numbers(inputs, tmp_path, monkeypatch):
     monkeypatch.setattr(build_module.Executor, "map", recording)
     build(parquet, tmp_path / "out", max_count=16)
     kinds = {type(t).__name__ for t in seen}
-    assert kinds == {"Range", "BucketTask", "SliceTask", "IndexPart"}, kinds
+    assert kinds == {"SurveyTask", "Range", "BucketTask", "SliceTask", "IndexPart"}, kinds  # labels tallied
     for task in seen:
         size = len(repr(task))
         assert size < 200 or (type(task).__name__ == "IndexPart" and size < 60 * len(task.shards)), task
+    _, csv = (
+        inputs  # a CSV is surveyed even with --classes (its spans' rows are not known before they are read)
+    )
+    monkeypatch.setattr(table_module, "CSV_ROW_BYTES", 8)
+    seen.clear()
+    source = ManifestSource(csv, classes=["bird", "cat", "dog"])
+    build(csv, tmp_path / "csv", max_count=16, source=source)
+    assert {type(t).__name__ for t in seen} == kinds
+    assert all(len(repr(t)) < 200 for t in seen if type(t).__name__ in ("SurveyTask", "Range"))
 
 
 def test_index_and_errors_are_the_same_files_from_one_part_or_one_per_shard(inputs, tmp_path, monkeypatch):
@@ -214,9 +255,14 @@ def test_index_and_errors_are_the_same_files_from_one_part_or_one_per_shard(inpu
     rows = csv.read_text().splitlines()
     manifest = csv.parent / "with_bad.csv"  # beside the images its relative paths name
     manifest.write_text("\n".join([*rows, "truncated.png,cat,kbad,"]) + "\n")
-    one = build(manifest, tmp_path / "one", max_count=16)
+    one = build(manifest, tmp_path / "one", max_count=16, serial=True)
     monkeypatch.setattr(finish, "PART_ROWS", 1)
-    per_shard = build(manifest, tmp_path / "per_shard", max_count=16)
+    per_shard = build(manifest, tmp_path / "per_shard", max_count=16, serial=True)
+    ranged_csv = build(manifest, tmp_path / "ranged", max_count=16)  # listing errors from the range parts
+    assert (tmp_path / "ranged" / "errors.parquet").read_bytes() == (
+        tmp_path / "one" / "errors.parquet"
+    ).read_bytes()
+    assert ranged_csv.reasons == one.reasons
     for name in ("index.parquet", "errors.parquet"):
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "per_shard" / name).read_bytes(), name
     errors = pq.read_table(tmp_path / "per_shard" / "errors.parquet").to_pylist()
@@ -239,12 +285,169 @@ def test_a_node_without_the_manifest_on_its_disk_reads_the_copy_in_the_bucket(in
     source = ManifestSource(local)
     root = DatasetDir(s3("ranged-copy/ds"))
     planner = ranged.RangedPlanner.make(source, root, "", "job", BuildOptions(use_ray=True, max_count=16))
-    (whole,) = planner.ranges
-    expected = list(source.list_rows(whole.groups, whole.first_row))
-    tally = source.tally_rows(whole.groups)[0]
+    ((whole, _),) = planner.specs
+    expected = list(source.list_rows(whole, 0))
+    tally = source.survey(whole, True).labels
     local.unlink()  # the task's node: not on its disk
     assert source.copy == (root.location, ranged.MANIFEST_COPY)
-    assert list(source.list_rows(whole.groups, whole.first_row)) == expected and len(expected) == ROWS
-    assert source.tally_rows(whole.groups)[0].names == tally.names == {"bird", "cat", "dog"}
+    assert list(source.list_rows(whole, 0)) == expected and len(expected) == ROWS
+    assert source.survey(whole, True).labels.names == tally.names == {"bird", "cat", "dog"}
     planner.clean()
     assert root.size(ranged.MANIFEST_COPY) is None  # gone with the plan's parts
+
+    # A CSV manifest: its byte spans are read from the copy the same way.
+    _, csv = inputs
+    local = tmp_path / "manifest.csv"
+    shutil.copy(csv, local)
+    source = ManifestSource(local)
+    planner = ranged.RangedPlanner.make(source, root, "", "job", BuildOptions(use_ray=True, max_count=16))
+    spans = [spec for spec, _ in source.range_specs(10)]
+    expected = [list(source.list_rows(spec, 0)) for spec in spans]
+    local.unlink()
+    assert [list(source.list_rows(spec, 0)) for spec in spans] == expected and len(spans) > 1
+    assert sum(source.survey(spec, False).rows for spec in spans) == ROWS
+    planner.clean()
+
+
+def test_csv_spans_start_at_line_starts_and_tile_the_file(tmp_path):
+    """A CSV's byte spans: each begins a line, together they are every byte after the header, and listed
+    span by span (rows numbered from the survey's counts) they give the whole file's listing, with CRLF
+    line ends, quoted commas and no newline at the end."""
+    lines = ["path,label,key"] + [f's3://b/img{i}.png,"c,{i % 3}",k{i}' + "x" * (i % 7) for i in range(40)]
+    path = tmp_path / "list.csv"
+    path.write_bytes("\r\n".join(lines).encode())
+    source = ManifestSource(path)
+    data = path.read_bytes()
+    whole = list(source.listing())
+    for span_bytes in (1, 9, 64, 1 << 20):
+        spans = source._csv_spans(span_bytes)
+        assert spans[0][0] == len(lines[0]) + 2 and spans[-1][1] == len(data)
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        assert all(data[a - 1 : a] == b"\n" for a, _ in spans)
+        listed, first = [], 0
+        for a, b in spans:
+            listed += source.list_rows(("bytes", a, b), first)
+            first += source.survey(("bytes", a, b), False).rows
+        assert listed == whole and first == 40, span_bytes
+    assert len(source._csv_spans(1)) == 40
+    assert whole[3].labels == (source.classes.index("c,0"),) and whole[3].key == "k3xxx"
+
+
+@pytest.fixture(scope="module")
+def class_folder(tmp_path_factory) -> Path:
+    """12 class folders of 2-13 images (some in nested folders), with what the listing rejects: a file beside
+    the class folders, an empty file, a duplicate key in one folder (img0.png and img0.jpg) and one across
+    two (class folders "a b" and "a_b" give the same keys); hidden files and folders are not inputs."""
+    root = tmp_path_factory.mktemp("folder") / "imgs"
+    rng = np.random.default_rng(1)
+    for i, name in enumerate([f"c{i:02d}" for i in range(10)] + ["a b", "a_b"]):
+        for j in range(2 + i):
+            sub = root / name / ("nested" if j % 4 == 3 else "")
+            sub.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(rng.integers(0, 255, (20 + j % 3, 24, 3), dtype=np.uint8)).save(
+                sub / f"img{j}.png"
+            )
+    one = (root / "c00" / "img0.png").read_bytes()
+    (root / "loose.png").write_bytes(one)
+    (root / "c01" / "empty.png").write_bytes(b"")
+    (root / "c02" / "img0.jpg").write_bytes(one)
+    (root / ".cache").mkdir()
+    (root / ".cache" / "x.png").write_bytes(one)
+    (root / "c03" / ".DS_Store").write_bytes(b"x")
+    return root
+
+
+def folder_build(root, out: Path, **opts):
+    return build(None, out, source=FolderSource(root), max_count=8, **opts)
+
+
+def test_a_class_folder_is_planned_in_ranges_as_the_serial_planner_plans_it(
+    class_folder, tmp_path, monkeypatch
+):
+    """Class folders surveyed 3 at a time and listed in ranges of about 10 files: the serial planner's
+    dataset (same bytes, index, errors, manifest); with 3 buckets, the same bytes with 1 or 2 workers and
+    other ranges, each split in the serial order."""
+    monkeypatch.setattr(ranged, "RANGE_ROWS", 10)
+    monkeypatch.setattr(folder_module, "SURVEY_FOLDERS", 3)
+    serial = folder_build(class_folder, tmp_path / "serial", serial=True)
+    report = folder_build(class_folder, tmp_path / "ranged")
+    same_dataset(tmp_path / "ranged", tmp_path / "serial")
+    assert report.num_inputs == serial.num_inputs == sum(range(2, 14)) + 3  # + loose, empty, img0.jpg
+    # "a b" and "a_b": 12 keys twice; c02: img0 twice
+    assert report.reasons == {"not inside a class folder": 1, "empty file": 1, "duplicate key": 13}
+    source = FolderSource(class_folder)
+    surveyed = [(spec, source.survey(spec, False)) for spec, _ in source.range_specs(10)]
+    ranges = source.regroup(surveyed, 10)
+    assert len(surveyed) == 5 and len(ranges) > 6  # ".", then the 12 class folders in name order
+    assert [n for spec, _ in ranges for n in spec[1:]] == [
+        ".",
+        "a b",
+        "a_b",
+        *(f"c{i:02d}" for i in range(10)),
+    ]
+
+    monkeypatch.setattr(ranged, "BUCKET_ROWS", 30)  # 3 buckets
+    folder_build(class_folder, tmp_path / "a")
+    monkeypatch.setattr(ranged, "RANGE_ROWS", 40)
+    folder_build(class_folder, tmp_path / "b", workers=2)
+    assert shard_bytes(tmp_path / "a") == shard_bytes(tmp_path / "b")
+    for split in ("train", "val"):
+        assert keys_in_order(tmp_path / "a", split) == keys_in_order(tmp_path / "serial", split), split
+
+
+def test_a_bucket_prefix_is_a_class_folder_too(class_folder, tmp_path, s3, monkeypatch):
+    """The folder uploaded under a bucket prefix (hidden objects too) gives the same dataset as on disk: the
+    same shard bytes, the same index rows and errors but for the sources (URIs), listed in ranges."""
+    from data_prep.storage import Store
+
+    monkeypatch.setattr(ranged, "RANGE_ROWS", 10)
+    store = Store(s3("imgs"))
+    for path in sorted(p for p in class_folder.rglob("*") if p.is_file()):
+        store.upload(path, path.relative_to(class_folder).as_posix())
+    local = folder_build(class_folder, tmp_path / "local")
+    remote = folder_build(s3("imgs"), tmp_path / "remote")
+    assert shard_bytes(tmp_path / "remote") == shard_bytes(tmp_path / "local")
+    assert (remote.num_inputs, remote.reasons) == (local.num_inputs, local.reasons)
+    query = "?" + s3("").split("?", 1)[1]
+
+    def on_disk(row: dict) -> dict:  # an object's URI (with the endpoint's query) as the file's path
+        uri = {k: v.replace(query, "") if isinstance(v, str) else v for k, v in row.items()}
+        return {
+            k: v.replace(store.describe(), str(class_folder)) if isinstance(v, str) else v
+            for k, v in uri.items()
+        }
+
+    for name in ("index.parquet", "errors.parquet"):
+        a = pq.read_table(tmp_path / "local" / name).to_pylist()
+        b = pq.read_table(tmp_path / "remote" / name).to_pylist()
+        assert len(a) == len(b) > 0 and all(r["source"].startswith("s3://ckpt/imgs/") for r in b)
+        assert a == [on_disk(r) for r in b], name
+    assert read_manifest(tmp_path / "remote").classes == read_manifest(tmp_path / "local").classes
+    with pytest.raises(DatasetError, match="--labels goes with a folder on this machine"):
+        FolderSource(s3("imgs"), labels_file=class_folder / "labels.csv")
+    with pytest.raises(DatasetError, match="no class sub-folders"):
+        FolderSource(s3("nothing-here"))
+
+
+def test_a_folder_that_changes_while_it_is_planned_is_refused(class_folder, tmp_path):
+    """A file added between the survey and the listing: the range's count no longer holds, and the build
+    stops naming the folder and the range rather than numbering rows wrongly."""
+    import shutil
+
+    from data_prep.dataset_dir import DatasetDir
+    from data_prep.executors import Executor
+
+    root = tmp_path / "imgs"
+    shutil.copytree(class_folder / "c04", root / "c04")
+    shutil.copytree(class_folder / "c05", root / "c05")
+    out = DatasetDir(tmp_path / "out")
+    out.make()
+    planner = ranged.RangedPlanner.make(FolderSource(root), out, "", "job", BuildOptions(max_count=8))
+    with Executor() as executor:
+        planner.survey(executor)
+        planner.seal()
+        shutil.copy(root / "c05" / "img0.png", root / "c05" / "new.png")
+        with pytest.raises(
+            DatasetError, match=r"changed while it was planned: range 0 \(folders 'c04'..'c05'\)"
+        ):
+            planner.list(executor)

@@ -43,6 +43,16 @@ class ListingError:
     reason: str
 
 
+@dataclass(frozen=True)
+class Survey:
+    """What a survey task finds in one range of a ranged source (data_prep/ranged.py), before any listing."""
+
+    rows: int  # inputs the range's listing will yield (items and error rows)
+    labels: object = None  # LabelTally of its label values, where the label space is inferred
+    boxes: object = None  # LabelTally of its box labels (a manifest with boxes)
+    units: tuple[int, ...] = ()  # inputs per unit of the range (a folder source: per top-level folder)
+
+
 class Loader(Protocol):
     def load(self, item: Item, resize_max: int | None, quality: int) -> Prepared:
         """Stored bytes of one item; raises `images.Rejected` (with its stage) for a bad input. Any
@@ -67,3 +77,30 @@ class Source(Protocol):
     def listing(self) -> Iterator[Item | ListingError]: ...
 
     def loader(self) -> Loader: ...
+
+
+class RangedSource(Source, Protocol):
+    """A source whose listing splits into ranges listed by separate tasks (data_prep/ranged.py): a manifest
+    (row groups, CSV byte spans), a class folder on a disk or in a bucket (its top-level folders)."""
+
+    ranged: bool
+
+    def identity(self) -> dict:
+        """What changes when the input does, where it is cheap to know: part of the plan's fingerprint."""
+        ...
+
+    def range_specs(self, rows_per_range: int) -> list[tuple[tuple, int | None]]:
+        """(spec, rows or None) of each range: small picklable tuples, O(ranges) of them."""
+        ...
+
+    def survey(self, spec: tuple, tally: bool) -> Survey: ...
+
+    def regroup(self, surveyed: list[tuple[tuple, Survey]], rows_per_range: int) -> list[tuple[tuple, int]]:
+        """The ranges to list, from the surveyed ones: (spec, rows)."""
+        ...
+
+    def list_rows(self, spec: tuple, first_row: int) -> Iterator[Item | ListingError]: ...
+
+    def labels_known(self) -> bool: ...
+
+    def set_label_spaces(self, labels, boxes) -> None: ...

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from data_prep.images import Prepared, Rejected, describe, prepare_encoded
 from data_prep.sources import Item, ListingError
-from data_prep.storage import is_uri, read_object
+from data_prep.storage import Store, child, is_uri, read_object
 
 
 def file_item(path: Path, key: str, labels: tuple[int, ...], split: str | None = None) -> Item | ListingError:
@@ -87,3 +87,91 @@ def walk_files(root: Path, skip: set[Path] | None = None):
             elif path not in skip:
                 yield path.relative_to(root)
         stack.extend(reversed(subdirs))  # depth first, in name order
+
+
+def _hidden(name: str) -> bool:
+    return name.startswith(".")
+
+
+def _walk_order(rel: str) -> tuple:
+    """`walk_files`'s order as a sort key: depth first, in each folder its files, then its sub-folders, each
+    in name order."""
+    parts = rel.split("/")
+    return (*((1, p) for p in parts[:-1]), (0, parts[-1]))
+
+
+class LocalTree:
+    """A folder on this machine's disk, listed one top-level entry at a time: "." (the files directly in
+    it), then each sub-folder (walked whole). Together: `walk_files(root)`, in its order."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def entries(self) -> list[str]:
+        try:
+            found = sorted(os.scandir(self.root), key=lambda e: e.name)
+        except OSError:
+            return []
+        return ["."] + [e.name for e in found if not _hidden(e.name) and e.is_dir(follow_symlinks=False)]
+
+    def walk(self, name: str):
+        """(relative POSIX path, entry) of each file of one top-level entry."""
+        if name == ".":
+            try:
+                found = sorted(os.scandir(self.root), key=lambda e: e.name)
+            except OSError:
+                return
+            for e in found:
+                if not _hidden(e.name) and not e.is_dir(follow_symlinks=False):
+                    yield e.name, Path(e.path)
+            return
+        folder = self.root / name
+        for rel in walk_files(folder):
+            yield f"{name}/{rel.as_posix()}", folder / rel
+
+    def describe(self, rel: str, entry) -> str:
+        return str(entry)
+
+    def item(self, rel: str, entry, key: str, labels: tuple[int, ...]) -> Item | ListingError:
+        return file_item(entry, key, labels)
+
+
+class StoreTree:
+    """A folder in object storage (s3://bucket/prefix, gs://..., credentials from the environment), listed as
+    `LocalTree` lists a disk and in the same order: each top-level prefix is one recursive listing (pages of
+    1,000 keys), and its objects become URI inputs with their listed sizes (no request per object)."""
+
+    def __init__(self, uri: str):
+        self.uri = uri.rstrip("/")
+
+    def _infos(self, rel: str, recursive: bool) -> list[tuple[str, int, bool]]:
+        """(path relative to the folder, size, is a file) below `rel`."""
+        import pyarrow.fs as pafs
+
+        store = Store(self.uri)
+        base = store.root + "/" if store.root else ""
+        selector = pafs.FileSelector(store._path(rel), recursive=recursive, allow_not_found=True)
+        return [
+            (i.path[len(base) :], i.size or 0, i.type == pafs.FileType.File)
+            for i in store.fs.get_file_info(selector)
+            if i.type in (pafs.FileType.File, pafs.FileType.Directory)
+        ]
+
+    def folders(self) -> list[str]:
+        return sorted(r for r, _, f in self._infos("", False) if not f and not _hidden(r))
+
+    def entries(self) -> list[str]:
+        return ["."] + self.folders()
+
+    def walk(self, name: str):
+        infos = self._infos("" if name == "." else name, name != ".")
+        found = [(r, size) for r, size, f in infos if f and not any(_hidden(p) for p in r.split("/"))]
+        yield from sorted(found, key=lambda rs: _walk_order(rs[0]))
+
+    def describe(self, rel: str, entry) -> str:
+        return Store(self.uri).describe(rel)
+
+    def item(self, rel: str, size: int, key: str, labels: tuple[int, ...]) -> Item | ListingError:
+        if size == 0:
+            return ListingError(key, self.describe(rel, size), "empty file (0 bytes)")
+        return uri_item(child(self.uri, rel), key, labels, None, size)

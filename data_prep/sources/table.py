@@ -18,7 +18,9 @@ vitpipe shard manifest boxes.csv data/det --box-classes cat,dog         # + KEY.
 
 from __future__ import annotations
 
+import io
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -29,12 +31,15 @@ import pyarrow.parquet as pq
 
 from data_prep.keys import check_split_name, key_from_path, sanitize_key
 from data_prep.layout import DatasetError, check_box
-from data_prep.sources import Item, ListingError
+from data_prep.sources import Item, ListingError, Survey
 from data_prep.sources.files import FileLoader, file_item, uri_item
 from data_prep.sources.labels import LabelSpace, LabelTally, UnknownLabel, parse_label_list
 from data_prep.storage import Store, is_uri
 
 BATCH_ROWS = 8192
+# A CSV manifest is cut into byte spans of about rows_per_range x CSV_ROW_BYTES (a path, a label and a key
+# make 40-100 bytes a row): 64 MiB for the 1M rows of a range task.
+CSV_ROW_BYTES = 64
 
 
 def _list_values(cells: list) -> Iterator:
@@ -51,9 +56,52 @@ def _is_parquet(path: Path) -> bool:
         return f.read(4) == b"PAR1"
 
 
+class _Span(io.RawIOBase):
+    """Bytes [start, end) of a seekable binary file, as a stream (a CSV span for pyarrow's reader)."""
+
+    def __init__(self, f, start: int, end: int):
+        self._f, self._left = f, end - start
+        f.seek(start)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        n = min(len(buf), self._left)
+        if n <= 0:
+            return 0
+        data = self._f.read(n)
+        buf[: len(data)] = data
+        self._left -= len(data)
+        return len(data)
+
+    def close(self) -> None:
+        self._f.close()
+        super().close()
+
+
+def next_line_start(f, pos: int, size: int, chunk: int = 1 << 16) -> int:
+    """The offset of the first line that starts at or after `pos` (`size` where none does)."""
+    f.seek(pos - 1)  # the byte before: where it ends a line, a line starts at pos
+    at = pos - 1
+    while at < size:
+        data = f.read(min(chunk, size - at))
+        if not data:
+            break
+        nl = data.find(b"\n")
+        if nl >= 0:
+            return at + nl + 1
+        at += len(data)
+    return size
+
+
 class ManifestSource:
     kind = "manifest"
     mix = True
+
+    # Planned by range tasks (data_prep/ranged.py): a Parquet manifest by runs of row groups, a CSV one by
+    # byte spans cut at line starts (a value holding a line break is refused by the reader either way).
+    ranged = True
 
     def __init__(
         self,
@@ -70,6 +118,7 @@ class ManifestSource:
         self.split_salt = seed
         self.parquet = _is_parquet(self.path)
         columns = self._columns()
+        self._names = columns  # a CSV span is read with the header's names (it has no header of its own)
         label_col = "labels" if "labels" in columns else "label" if "label" in columns else None
         if "path" not in columns or label_col is None:
             raise DatasetError(
@@ -99,11 +148,22 @@ class ManifestSource:
             raise DatasetError(f"{path}: --box-classes given, but the manifest has no 'boxes' column")
 
     def _parquet_file(self) -> pq.ParquetFile:
-        """The Parquet manifest; on a node that does not see its path, the copy in object storage (range
-        reads: the footer and the row groups asked for)."""
         if self.copy is not None and not self.path.is_file():
-            return pq.ParquetFile(Store(self.copy[0]).open_file(self.copy[1]))
+            return pq.ParquetFile(self._open())
         return pq.ParquetFile(self.path)
+
+    def _open(self):
+        """The manifest as a seekable binary file; on a node that does not see its path, the copy in object
+        storage (range reads: a Parquet footer and the row groups asked for, or a CSV span)."""
+        if self.copy is not None and not self.path.is_file():
+            return Store(self.copy[0]).open_file(self.copy[1])
+        return open(self.path, "rb")
+
+    def share_through(self, store: Store, rel: str) -> None:
+        """For range tasks on nodes that see only their own disk and `store`: one streamed upload of the
+        manifest (no row is parsed here), read from there where the path is missing."""
+        store.upload(self.path, rel)
+        self.copy = (store.uri, rel)
 
     @property
     def space(self) -> LabelSpace:
@@ -136,41 +196,65 @@ class ManifestSource:
         if self.has_boxes and self._box_space is None:
             self._box_space = boxes.space()
 
-    # Ranges: consecutive row groups of a Parquet manifest, listed by separate tasks (data_prep/ranged.py).
+    # Ranges (data_prep/ranged.py): runs of whole row groups of a Parquet manifest, rows known from its
+    # footer; byte spans of a CSV one, cut at line starts, rows counted by the survey tasks.
 
     def identity(self) -> dict:
         """What changes when the manifest file does: part of a ranged plan's fingerprint."""
         st = self.path.stat()
         return {"path": str(self.path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
-    def ranges(self, rows_per_range: int) -> list[tuple[int, int, int, int]] | None:
-        """(first row group, end row group, first row, rows) of runs of whole row groups of about
-        `rows_per_range` rows (at least one group each), from the footer alone; None for a CSV manifest."""
+    def range_specs(self, rows_per_range: int) -> list[tuple[tuple, int | None]]:
+        """(spec, rows or None where unknown before a survey) of ranges of about `rows_per_range` rows:
+        ("groups", first, end) row groups, from the footer alone, or ("bytes", start, end) of a CSV."""
         if not self.parquet:
-            return None
+            return [(("bytes", a, b), None) for a, b in self._csv_spans(rows_per_range * CSV_ROW_BYTES)]
         meta = self._parquet_file().metadata
-        out, start, first, rows = [], 0, 0, 0
+        out, start, rows = [], 0, 0
         for g in range(meta.num_row_groups):
             rows += meta.row_group(g).num_rows
             if rows >= rows_per_range or g == meta.num_row_groups - 1:
-                out.append((start, g + 1, first, rows))
-                start, first, rows = g + 1, first + rows, 0
-        return [r for r in out if r[3]]
+                out.append((("groups", start, g + 1), rows))
+                start, rows = g + 1, 0
+        return [r for r in out if r[1]]
 
-    def tally_rows(self, groups: tuple[int, int]) -> tuple[LabelTally, LabelTally | None]:
-        """The label (and box label) tallies of the row groups [start, end)."""
-        labels, boxes = LabelTally(), LabelTally() if self.has_boxes else None
-        columns = [self.label_col] + (["box_labels"] if boxes is not None else [])
-        for batch in self._batches(columns, groups):
-            labels.add(self._label_cell_values(batch[self.label_col]))
+    def _csv_spans(self, span_bytes: int) -> list[tuple[int, int]]:
+        """Byte spans of whole lines after the header, each about `span_bytes` long. Reads a line's worth
+        at each cut: O(spans) bytes, never the rows."""
+        size = os.path.getsize(self.path)
+        with open(self.path, "rb") as f:
+            cuts = [next_line_start(f, 1, size)]  # after the header line
+            while cuts[-1] + span_bytes < size:
+                cut = next_line_start(f, cuts[-1] + span_bytes, size)
+                if cut >= size:
+                    break
+                cuts.append(cut)
+        cuts.append(size)
+        return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+    def survey(self, spec: tuple, tally: bool) -> Survey:
+        """A range's rows and, with `tally`, its label (and box label) tallies."""
+        labels, boxes = LabelTally(), LabelTally() if self.has_boxes and tally else None
+        if not tally:
+            columns = ["path"]
+        else:
+            columns = [self.label_col] + (["box_labels"] if boxes is not None else [])
+        rows = 0
+        for batch in self._batches(columns, spec):
+            rows += len(batch[columns[0]])
+            if tally:
+                labels.add(self._label_cell_values(batch[self.label_col]))
             if boxes is not None:
                 boxes.add(_list_values(batch["box_labels"]))
-        return labels, boxes
+        return Survey(rows, labels if tally else None, boxes)
 
-    def list_rows(self, groups: tuple[int, int], first_row: int) -> Iterator[Item | ListingError]:
-        """The listing of the row groups [start, end), whose first row is `first_row` (0-based)."""
+    def regroup(self, surveyed: list[tuple[tuple, Survey]], rows_per_range: int) -> list[tuple[tuple, int]]:
+        return [(spec, s.rows) for spec, s in surveyed]
+
+    def list_rows(self, spec: tuple, first_row: int) -> Iterator[Item | ListingError]:
+        """The listing of one range, whose first row is `first_row` (0-based)."""
         row = first_row
-        for batch in self._batches(self.read_cols, groups):
+        for batch in self._batches(self.read_cols, spec):
             for i in range(len(batch["path"])):
                 row += 1
                 yield self._row(row, {c: batch[c][i] for c in self.read_cols})
@@ -183,36 +267,48 @@ class ManifestSource:
         except (pa.ArrowInvalid, OSError) as exc:
             raise DatasetError(f"{self.path}: not a readable Parquet or CSV manifest ({exc})") from None
 
-    def _csv_reader(self, columns: list[str] | None):
+    def _csv_reader(self, columns: list[str] | None, span_stream=None):
+        """The whole CSV, or the lines of `span_stream` (a span of it, read with the header's names)."""
         delimiter = "\t" if self.path.suffix.lower() == ".tsv" else ","
         convert = pacsv.ConvertOptions(
             include_columns=columns,
             # Everything as text: the label column's type must not depend on the first block's values.
             column_types={c: pa.string() for c in (columns or [])},
         )
+        read = pacsv.ReadOptions(block_size=1 << 22)
+        source = self.path
+        if span_stream is not None:
+            read = pacsv.ReadOptions(block_size=1 << 22, column_names=self._names)
+            source = span_stream
         return pacsv.open_csv(
-            self.path,
-            read_options=pacsv.ReadOptions(block_size=1 << 22),
+            source,
+            read_options=read,
             parse_options=pacsv.ParseOptions(delimiter=delimiter),
             convert_options=convert,
         )
 
-    def _batches(
-        self, columns: list[str], groups: tuple[int, int] | None = None
-    ) -> Iterator[dict[str, list]]:
+    def _batches(self, columns: list[str], spec: tuple | None = None) -> Iterator[dict[str, list]]:
+        """Batches of `columns`: the whole manifest, or one range's ("groups", a, b) / ("bytes", a, b)."""
         try:
             if self.parquet:
-                batches = self._parquet_file().iter_batches(
-                    batch_size=BATCH_ROWS,
-                    columns=columns,
-                    row_groups=None if groups is None else range(*groups),
-                )
-            else:
-                batches = self._csv_reader(columns)
-            for batch in batches:
-                yield batch.to_pydict()
+                with self._parquet_file() as pf:
+                    yield from (
+                        b.to_pydict()
+                        for b in pf.iter_batches(
+                            batch_size=BATCH_ROWS,
+                            columns=columns,
+                            row_groups=None if spec is None else range(spec[1], spec[2]),
+                        )
+                    )
+                return
+            if spec is None:
+                yield from (b.to_pydict() for b in self._csv_reader(columns))
+                return
+            with io.BufferedReader(_Span(self._open(), spec[1], spec[2]), 1 << 20) as stream:
+                yield from (b.to_pydict() for b in self._csv_reader(columns, stream))
         except pa.ArrowInvalid as exc:
-            raise DatasetError(f"{self.path}: cannot read the manifest ({exc})") from None
+            at = "" if spec is None or self.parquet else f", in bytes {spec[1]}-{spec[2]}"
+            raise DatasetError(f"{self.path}: cannot read the manifest ({exc}{at})") from None
 
     def _label_values(self) -> Iterator:
         for batch in self._batches([self.label_col]):
