@@ -464,3 +464,28 @@ def test_ray_tasks_write_the_same_shards(ray_cluster, tmp_path):
     shard("manifest", tmp_path / "list.parquet", tmp_path / "m-ray", "--max-count", 8, "--ray", env=env)
     assert shard_hashes(tmp_path / "m-ray") == shard_hashes(tmp_path / "m-local")
     assert sum(read_manifest(tmp_path / "m-ray").totals.values()) == 36
+
+    # Two tasks lose their worker process (os._exit, as on a lost node): a list task halfway through its
+    # range, and a shard task at its third item, its shard half written. Ray retries each; nothing the dead
+    # tasks left is counted: the same shards, index and manifest as in-process.
+    keys = [
+        s["__key__"]
+        for s in wds.WebDataset(str(tmp_path / "m-local" / "train" / "shard-000001.tar"), shardshuffle=False)
+    ]
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests/scripts/dying_shard_build.py"), str(tmp_path / "list.parquet")]
+        + [str(tmp_path / "m-dies"), str(flags), keys[2]],
+        env={**env, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "wrote 36 of 36; died: ['list', 'shard']" in proc.stdout, proc.stdout
+    assert shard_hashes(tmp_path / "m-dies") == shard_hashes(tmp_path / "m-local")
+    for name in ("index.parquet", "errors.parquet"):
+        assert pq.read_table(tmp_path / "m-dies" / name) == pq.read_table(tmp_path / "m-local" / name)
+    assert read_manifest(tmp_path / "m-dies").shards == read_manifest(tmp_path / "m-local").shards
+    assert not [p for p in (tmp_path / "m-dies").rglob("*") if ".tmp" in p.name]
