@@ -356,15 +356,11 @@ SECTIONS = ("speed", "memory", "bucket")
 # Not in the default run: `make bench` runs it on its own into bench/results/shard_planning.json.
 EXTRA_SECTIONS = ("planning",)
 PLAN_IMAGES = 200  # distinct small JPEGs a generated manifest's rows point at (distinct keys)
+FOLDER_CLASSES = 1000  # class folders of the generated class folder (files: hard links to the JPEGs)
 
 
-def write_manifest(folder: Path, rows: int) -> Path:
-    """manifest.parquet of `rows` rows (path, two of 18,000 labels, a distinct key) over PLAN_IMAGES real
-    256x192 JPEGs beside it (as in the speed runs: per-image work, not per-shard, dominates a whole build),
-    written in row groups of 2^20 rows (pyarrow's default)."""
+def _plan_images(folder: Path) -> None:
     import numpy as np
-    import pyarrow as pa
-    import pyarrow.parquet as pq
     from PIL import Image
 
     (folder / "img").mkdir(parents=True, exist_ok=True)
@@ -372,22 +368,52 @@ def write_manifest(folder: Path, rows: int) -> Path:
     for i in range(PLAN_IMAGES):
         pixels = rng.integers(0, 255, (192, 256, 3), dtype=np.uint8)
         Image.fromarray(pixels).save(folder / "img" / f"{i}.jpg", quality=90)
-    schema = pa.schema([("path", pa.string()), ("labels", pa.list_(pa.string())), ("key", pa.string())])
-    path = folder / f"manifest-{rows}.parquet"
-    with pq.ParquetWriter(path, schema) as w:
+
+
+def write_manifest(folder: Path, rows: int, csv: bool = False) -> Path:
+    """manifest.parquet of `rows` rows (path, two of 18,000 labels, a distinct key) over PLAN_IMAGES real
+    256x192 JPEGs beside it (as in the speed runs: per-image work, not per-shard, dominates a whole build),
+    written in row groups of 2^20 rows (pyarrow's default); `csv`: the same rows as manifest.csv (labels
+    joined by '|')."""
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+    import pyarrow.parquet as pq
+
+    _plan_images(folder)
+    labels_type = pa.string() if csv else pa.list_(pa.string())
+    schema = pa.schema([("path", pa.string()), ("labels", labels_type), ("key", pa.string())])
+    path = folder / f"manifest-{rows}.{'csv' if csv else 'parquet'}"
+    writer = pacsv.CSVWriter(path, schema) if csv else pq.ParquetWriter(path, schema)
+    with writer as w:
         for start in range(0, rows, 1 << 20):
             idx = range(start, min(rows, start + (1 << 20)))
+            labels = [[f"c{i * 7 % 18_000}", f"c{i * 13 % 18_000}"] for i in idx]
             w.write_table(
                 pa.table(
                     {
                         "path": [f"img/{i % PLAN_IMAGES}.jpg" for i in idx],
-                        "labels": [[f"c{i * 7 % 18_000}", f"c{i * 13 % 18_000}"] for i in idx],
+                        "labels": ["|".join(pair) for pair in labels] if csv else labels,
                         "key": [f"k{i:010d}" for i in idx],
                     },
                     schema=schema,
                 )
             )
     return path
+
+
+def write_folder(folder: Path, files: int) -> Path:
+    """A class folder of `files` files in FOLDER_CLASSES class folders: hard links to the PLAN_IMAGES JPEGs
+    (each file a real image and a directory entry of its own, with its own key)."""
+    _plan_images(folder)
+    root = folder / f"classes-{files}"
+    per = files // FOLDER_CLASSES
+    for c in range(FOLDER_CLASSES):
+        (root / f"n{c:05d}").mkdir(parents=True, exist_ok=True)
+        for j in range(per):
+            os.link(
+                folder / "img" / f"{(c * per + j) % PLAN_IMAGES}.jpg", root / f"n{c:05d}" / f"{j:06d}.jpg"
+            )
+    return root
 
 
 def plan_child(manifest: str, out: str, workers: int, full: bool) -> None:
@@ -400,6 +426,7 @@ def plan_child(manifest: str, out: str, workers: int, full: bool) -> None:
     from data_prep.dataset_dir import DatasetDir
     from data_prep.executors import Executor
     from data_prep.ranged import RangedPlanner
+    from data_prep.sources.folder import FolderSource
     from data_prep.sources.table import ManifestSource
 
     # The driver's peak RSS: VmHWM (ru_maxrss would not do: Linux keeps it across exec, so it starts at the
@@ -420,7 +447,7 @@ def plan_child(manifest: str, out: str, workers: int, full: bool) -> None:
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     t0 = time.perf_counter()
-    source = ManifestSource(manifest)
+    source = FolderSource(manifest) if Path(manifest).is_dir() else ManifestSource(manifest)
     opts = BuildOptions(workers=workers, progress=False, max_count=1000)
     shards = images = 0
     if full:
@@ -491,6 +518,20 @@ def planning_rounds(tmp: Path, sizes: tuple[int, int], e2e_rows: int, repeats: i
         "driver_cpu_s": round(b["driver_cpu_s"] / a["driver_cpu_s"], 3),
         "rows": large / small,
     }
+    # The same at the large size from a CSV manifest (surveyed: its byte spans' rows are counted first), and
+    # a class folder of a tenth of it (listed with a stat per file, as ImageNet's layout).
+    other = {}
+    for kind, make in (
+        ("csv", lambda: write_manifest(tmp, large, csv=True)),
+        ("folder", lambda: write_folder(tmp, large // 10)),
+    ):
+        source = make()
+        run = _run_child(source, tmp / "plan-out", 2, full=False)
+        run["rows"] = run["items"]
+        run["driver_cpu_share"] = round(run["driver_cpu_s"] / max(1e-9, run["workers_cpu_s"]), 4)
+        run["rows_per_s"] = round(run["rows"] / run["wall_s"])
+        other[kind] = run
+        shutil.rmtree(source) if source.is_dir() else source.unlink()
     manifest = write_manifest(tmp, e2e_rows)
     rounds = []
     for _ in range(repeats):
@@ -511,6 +552,7 @@ def planning_rounds(tmp: Path, sizes: tuple[int, int], e2e_rows: int, repeats: i
     return {
         "planning": planning,
         "planning_growth": growth,
+        "planning_other": other,
         "end_to_end": {"rows": e2e_rows, "rounds": rounds},
         "goals": {
             "driver_peak_rss_mb_at_large": {
@@ -527,6 +569,22 @@ def planning_rounds(tmp: Path, sizes: tuple[int, int], e2e_rows: int, repeats: i
                 "value": b["driver_cpu_share"],
                 "goal": "<= 0.05",
                 "met": b["driver_cpu_share"] <= 0.05,
+            },
+            **{
+                f"{kind}_driver_peak_rss_mb": {
+                    "value": run["driver_peak_rss_mb"],
+                    "goal": "<= 1024",
+                    "met": run["driver_peak_rss_mb"] <= 1024,
+                }
+                for kind, run in other.items()
+            },
+            **{
+                f"{kind}_driver_cpu_share": {
+                    "value": run["driver_cpu_share"],
+                    "goal": "<= 0.05",
+                    "met": run["driver_cpu_share"] <= 0.05,
+                }
+                for kind, run in other.items()
             },
             "end_to_end_driver_cpu_share": {"value": e2e_share, "goal": "<= 0.05", "met": e2e_share <= 0.05},
             "speedup_2_vs_1_workers": {"value": speedup, "goal": ">= 1.7", "met": speedup >= 1.7},

@@ -272,7 +272,9 @@ def add_shard_parser(sub) -> argparse.ArgumentParser:
     s = src.add_parser(
         "folder", parents=common, help="an image folder: DIR/CLASS/IMAGE, or flat with --labels"
     )
-    s.add_argument("dir", help="input folder")
+    s.add_argument(
+        "dir", help="input folder (DIR/CLASS/IMAGE), or a bucket prefix in that layout (s3://bucket/prefix)"
+    )
     s.add_argument("out", help=OUT_HELP)
     s.add_argument("--labels", help="CSV or JSON: file name (relative to DIR) -> label or list of labels")
     s.add_argument(
