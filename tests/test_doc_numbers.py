@@ -97,19 +97,24 @@ CLAIMS = [
     ),
     (
         "docs/sharding.md",
-        r"\| driver peak RSS \| (\d+\.\d+) MB \| (\d+\.\d+) MB \| <= 1 GB, flat \(<= 1\.2x\): (\d\.\d+)x",
+        r"\| driver peak RSS \| (\d+\.\d+) MB \| (\d+\.\d+) MB \| (\d+\.\d+) MB \| (\d+\.\d+) MB \| "
+        r"<= 1 GB; Parquet flat \(<= 1\.2x\): (\d\.\d+)x",
         [
             result("shard_planning.json", "planning.1000000.driver_peak_rss_mb"),
             result("shard_planning.json", "planning.10000000.driver_peak_rss_mb"),
+            result("shard_planning.json", "planning_other.csv.driver_peak_rss_mb"),
+            result("shard_planning.json", "planning_other.folder.driver_peak_rss_mb"),
             result("shard_planning.json", "planning_growth.driver_peak_rss"),
         ],
     ),
     (
         "docs/sharding.md",
-        r"\| driver CPU / workers' CPU \| (\d\.\d+) \| (\d\.\d+) \|",
+        r"\| driver CPU / workers' CPU \| (\d\.\d+) \| (\d\.\d+) \| (\d\.\d+) \| (\d\.\d+) \|",
         [
             result("shard_planning.json", "planning.1000000.driver_cpu_share"),
             result("shard_planning.json", "planning.10000000.driver_cpu_share"),
+            result("shard_planning.json", "planning_other.csv.driver_cpu_share"),
+            result("shard_planning.json", "planning_other.folder.driver_cpu_share"),
         ],
     ),
     (
