@@ -7,10 +7,14 @@ offsets), not with its rows. At 300M samples in 100k shards, one row group per s
 `index.ROW_GROUP_ROWS`) made 100,000 groups; groups of 65,536 rows make 4,578. Writing 300M rows here would
 take an hour and 30 GB, so each layout is written with its real number of row groups and a few rows per
 group (the footer is the same; a group's data is what a lookup reads either way, one or two groups), through
-the real writer (`index.write_index`) and the real lookup (`index.read_shard_rows`, as `vitpipe shard verify`
-runs it for a damaged shard). Per layout, the median of `--repeats`: footer bytes, the time to open the file
+the real writer (`index.write_index_file`) and the real lookup (`index.read_shard_rows`) on one file. A
+dataset's index is a folder of parts whose `_metadata` holds every part's row groups, so its footer is this
+file's (plus each group's part name); `vitpipe shard verify` parses it once per process and then reads the
+one or two groups that hold a damaged shard. Per layout, the median of `--repeats`: footer bytes, the time to open the file
 (parse the footer) and the time to read one shard's rows. Goal: the fixed-size layout's footer and lookup
-<= 1/10 of the per-shard layout's (the ratio of their group counts is 1/22).
+<= 1/10 of the per-shard layout's (the ratio of their group counts is 1/22). A third layout is the one a
+build writes (`parts`): the index tasks' parts and their `_metadata`, looked up through `index.Table`; its
+summary within 1.5x of the one-file footer, its open and lookup <= 1/10 of the per-shard layout's.
 """
 
 from __future__ import annotations
@@ -27,14 +31,15 @@ import pyarrow.parquet as pq
 from provenance import write_result  # bench/provenance.py, beside this file
 
 from data_prep.dataset_dir import DatasetDir
-from data_prep.index import ROW_GROUP_ROWS, read_shard_rows, write_index
+from data_prep.finish import PART_ROWS
+from data_prep.index import ROW_GROUP_ROWS, Table, part_name, read_shard_rows, write_index_file, write_summary
 
 SAMPLES, SHARDS = 300_000_000, 100_000
 
 
-def _rows(groups: int, per_group: int):
+def _rows(groups: int, per_group: int, first: int = 0):
     """`groups` shards of `per_group` rows each, shaped like a vitpipe index's (sha256 and path strings)."""
-    for s in range(groups):
+    for s in range(first, first + groups):
         shard = f"train/shard-{s:06d}.tar"
         yield {
             "key": [f"{s:06d}/{i:04d}" for i in range(per_group)],
@@ -75,6 +80,46 @@ def measure(path: Path, groups: int, repeats: int) -> dict:
     }
 
 
+def measure_parts(folder: Path, groups: int, repeats: int) -> dict:
+    """The layout a build writes: the summary parsed (`open_s`), then one shard's rows looked up through it
+    (`lookup_s`: the summary, the part's footer, the group)."""
+    opens, lookups = [], []
+    shard = f"train/shard-{groups // 2:06d}.tar"
+    out = DatasetDir(folder)
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        meta = pq.read_metadata(folder / "index.parquet" / "_metadata")
+        opens.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        found = Table(out, "index.parquet").shard_rows(shard, ["key", "sha256", "labels"])
+        lookups.append(time.perf_counter() - t0)
+        assert found.num_rows > 0, shard
+    return {
+        "row_groups": meta.num_row_groups,
+        "parts": len({meta.row_group(i).column(0).file_path for i in range(meta.num_row_groups)}),
+        "footer_bytes": _footer_bytes(folder / "index.parquet" / "_metadata"),
+        "open_s": round(statistics.median(opens), 4),
+        "lookup_s": round(statistics.median(lookups), 4),
+    }
+
+
+def write_parts(folder: Path) -> int:
+    """index.parquet as `vitpipe shard` leaves it at JFT scale: a part per index task (whole shards of 3,000
+    samples up to PART_ROWS: 350 shards, 1.05M rows, 17 groups of 65,536 rows, the last short), 286 parts,
+    and their summary. Each group is written as one shard of 2 rows: the real number of groups and parts."""
+    per_shard = SAMPLES // SHARDS
+    shards_per_part = math.ceil(PART_ROWS / per_shard)
+    groups_per_part = math.ceil(shards_per_part * per_shard / ROW_GROUP_ROWS)
+    parts = math.ceil(SHARDS / shards_per_part)
+    out = DatasetDir(folder)
+    (folder / "index.parquet").mkdir()
+    for n in range(parts):
+        rows = _rows(groups_per_part, 2, first=n * groups_per_part)
+        write_index_file(out, f"index.parquet/{part_name(n)}", rows, True, row_group_rows=2)
+    write_summary(out, "index.parquet", [part_name(n) for n in range(parts)])
+    return parts * groups_per_part
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None)
@@ -88,14 +133,27 @@ def main() -> None:
             folder.mkdir()
             t0 = time.perf_counter()
             # 2 rows a group, groups of 2 rows: the real number of groups, each group one shard.
-            write_index(DatasetDir(folder), _rows(groups, 2), multi_label=True, row_group_rows=2)
+            write_index_file(DatasetDir(folder), "index.parquet", _rows(groups, 2), True, row_group_rows=2)
             layout = measure(folder / "index.parquet", groups, args.repeats)
             layout["write_s"] = round(time.perf_counter() - t0, 1)
             result["layouts"][name] = layout
+        folder = Path(tmp) / "parts"
+        folder.mkdir()
+        t0 = time.perf_counter()
+        groups = write_parts(folder)
+        layout = measure_parts(folder, groups, args.repeats)
+        layout["write_s"] = round(time.perf_counter() - t0, 1)
+        result["layouts"]["parts"] = layout
+    parts, fixed = result["layouts"]["parts"], result["layouts"]["fixed_groups"]
+    # The summary is the one-file footer with each group's part named: the same order of size.
+    ratio = parts["footer_bytes"] / fixed["footer_bytes"]
+    result["summary_bytes_vs_one_file"] = {"value": round(ratio, 4), "goal": 1.5, "ok": ratio <= 1.5}
     old, new = result["layouts"]["per_shard"], result["layouts"]["fixed_groups"]
     for key in ("footer_bytes", "open_s", "lookup_s"):
         ratio = new[key] / old[key]
         result[f"{key}_ratio"] = {"value": round(ratio, 4), "goal": 0.1, "ok": ratio <= 0.1}
+        ratio = parts[key] / old[key]
+        result[f"parts_{key}_ratio"] = {"value": round(ratio, 4), "goal": 0.1, "ok": ratio <= 0.1}
     write_result(result, args.out)
 
 

@@ -10,7 +10,7 @@ plan.py          listing -> shard tasks, before any image is read (on the driver
 ranged.py        a Parquet manifest planned by tasks: ranges listed, buckets sorted, shards as slices
 shard_file.py    samples -> one complete shard and its index rows: the only code that writes a shard
 shard_worker.py  one task -> one complete shard and its sidecar (the code every worker runs)
-index.py         index.parquet's schema and writer
+index.py         index.parquet's schema, writer and reader (a folder of parts and its _metadata)
 executors.py     tasks in this process, in worker processes, or as Ray tasks
 build.py         `vitpipe shard SOURCE`: plan, write, then index, errors and manifest
 verify.py        `vitpipe shard verify`

@@ -111,10 +111,8 @@ class DatasetDir:
     def size(self, rel: str) -> int | None:
         if self.store is not None:
             return self.store.size(rel)
-        try:
-            return (self.root / rel).stat().st_size
-        except OSError:
-            return None
+        path = self.root / rel
+        return path.stat().st_size if path.is_file() else None  # a folder is no file, as in a bucket
 
     def sha256(self, rel: str) -> str | None:
         """The file's sha256 where reading it back is cheap (local); None on object storage, where a

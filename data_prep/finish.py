@@ -3,10 +3,10 @@
 At JFT scale the sidecars hold 300M index rows (about 66 GB of JSON); read one by one on the driver they
 took hours. Here each index task (the build's `Executor`: this process, worker processes or Ray tasks)
 reads the sidecars of a run of consecutive shards (about PART_ROWS samples) and writes their index rows
-and rejected inputs as Parquet parts in `.work/`; the driver then copies the parts, in shard order,
-into index.parquet and errors.parquet with Arrow's reader and writer (row groups re-cut to
-`index.ROW_GROUP_ROWS`: the file a single writer makes, byte for byte). The driver parses no sidecar and no
-row in Python; it still moves the index's bytes once (C++, about 150 B per sample).
+and rejected inputs as parts of index.parquet and errors.parquet (folders: `index.py`), in row groups of
+`index.ROW_GROUP_ROWS` (each part's last one shorter). The driver writes only the listing's rejected
+inputs (errors.parquet's first part) and each folder's `_metadata` from the parts' footers: it reads no
+sidecar and no index row, O(parts + row groups) whatever the number of samples.
 """
 
 from __future__ import annotations
@@ -20,13 +20,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from data_prep.dataset_dir import DatasetDir
-from data_prep.index import GroupedWriter, index_schema, shard_table
-from data_prep.layout import ERRORS, INDEX, WORK
+from data_prep.index import GroupedWriter, clear_folder, index_schema, part_name, shard_table, write_summary
+from data_prep.layout import ERRORS, INDEX
 from data_prep.shard_worker import ShardResult, read_sidecar
 
 PART_ROWS = 1 << 20  # samples per index task, about (whole shards)
-# Beside job.json, which stays: on object stores pyarrow puts an empty marker object for a folder emptied
-# by deletes, so the parts get no folder of their own.
 ERROR_SCHEMA = pa.schema(
     [
         ("key", pa.string()),
@@ -78,7 +76,9 @@ class FinishJob:
 
 
 def part_rel(index: int, kind: str) -> str:
-    return f"{WORK}/{kind}_part_{index:06d}.parquet"
+    """Index task `index`'s part of index.parquet ("index") or errors.parquet ("errors"), whose first part
+    (0) holds the listing's rejected inputs."""
+    return f"{INDEX}/{part_name(index)}" if kind == "index" else f"{ERRORS}/{part_name(index + 1)}"
 
 
 def index_parts(results: list[ShardResult], rows: int | None = None) -> Iterator[IndexPart]:
@@ -130,14 +130,17 @@ def read_tables(out: DatasetDir, rels: Iterable[str]) -> Iterator[pa.Table]:
                 yield pf.read_row_group(g)
 
 
-def _write(out: DatasetDir, rel: str, schema: pa.Schema, tables: Iterable[pa.Table]) -> None:
-    """`rel` (atomic) from `tables` in order, in row groups of ROW_GROUP_ROWS."""
+def _write(out: DatasetDir, rel: str, schema: pa.Schema, tables: Iterable[pa.Table]) -> int:
+    """`rel` (atomic) from `tables` in order, in row groups of ROW_GROUP_ROWS; returns its rows."""
+    rows = 0
     with out.writing(rel) as tmp, pq.ParquetWriter(tmp, schema) as parquet:
         writer = GroupedWriter(parquet)
         for table in tables:
             if table.num_rows:
                 writer.write(table)
+                rows += table.num_rows
         writer.close()
+    return rows
 
 
 def finish_index(
@@ -152,33 +155,40 @@ def finish_index(
     "decode", "convert", "resize", "boxes"); returns the rejected inputs per kind of reason.
     `listing_errors`: tables of LISTING_SCHEMA; `listing_reasons`: their counts per kind, complete once the
     tables have been read."""
+    clear_folder(out, INDEX)
+    clear_folder(out, ERRORS)
     markers = sorted(executor.map(write_index_part, index_parts(results), job), key=lambda m: m["index"])
-    schema = index_schema(job.multi_label)
-    _write(out, INDEX, schema, read_tables(out, (part_rel(m["index"], "index") for m in markers)))
-    counts: dict[str, int] = {}
+    index = [part_name(m["index"]) for m in markers if m["rows"]]
+    if not index:  # nothing written: one empty part, so the folder reads as a table of the right columns
+        _write(out, f"{INDEX}/{part_name(0)}", index_schema(job.multi_label), [])
+        index = [part_name(0)]
+    write_summary(out, INDEX, index)
 
-    def error_tables() -> Iterator[pa.Table]:
-        for listed in listing_errors:
-            n = listed.num_rows
+    def listed() -> Iterator[pa.Table]:
+        for table in listing_errors:
+            n = table.num_rows
             yield pa.table(
                 [
-                    listed.column("key"),
-                    listed.column("source"),
+                    table.column("key"),
+                    table.column("source"),
                     pa.repeat(pa.scalar("listing"), n),
-                    listed.column("reason"),
+                    table.column("reason"),
                     pa.nulls(n, pa.string()),
                 ],
                 schema=ERROR_SCHEMA,
             )
-        yield from read_tables(out, (part_rel(m["index"], "errors") for m in markers if m["errors"]))
 
-    _write(out, ERRORS, ERROR_SCHEMA, error_tables())
+    errors = [part_name(m["index"] + 1) for m in markers if m["errors"]]
+    first = f"{ERRORS}/{part_name(0)}"
+    if _write(out, first, ERROR_SCHEMA, listed()) or not errors:
+        errors.insert(0, part_name(0))
+    else:
+        out.delete(first)
+    write_summary(out, ERRORS, errors)
+    counts: dict[str, int] = {}
     for kind, n in listing_reasons.items():
         counts[kind] = counts.get(kind, 0) + n
     for m in markers:
         for kind, n in m["reasons"].items():
             counts[kind] = counts.get(kind, 0) + n
-        out.delete(part_rel(m["index"], "index"))
-        if m["errors"]:
-            out.delete(part_rel(m["index"], "errors"))
     return counts

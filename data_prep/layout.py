@@ -2,8 +2,11 @@
 OUT is a local folder or an object store prefix (s3://bucket/prefix; see dataset_dir.py).
 
 OUT/manifest.json            format version, class names, per-shard counts and sha256, totals per split
-OUT/index.parquet            one row per sample: the INDEX_COLUMNS below (schema: data_prep/index.py)
-OUT/errors.parquet           one row per rejected input: key, source, stage, reason (`vitpipe shard` only)
+OUT/index.parquet/           one row per sample: the INDEX_COLUMNS below (schema: data_prep/index.py), as
+                             part-NNNNNN.parquet in row order + _metadata (the parts' footers); one
+                             Parquet file in datasets written before
+OUT/errors.parquet/          one row per rejected input: key, source, stage, reason (`vitpipe shard` only),
+                             parts and _metadata likewise
 OUT/{split}/{name}-{i:06d}.tar   plain WebDataset tar: KEY.jpg|png|webp [+ KEY.seg.png] + KEY.cls (single) or
                              KEY.json (multi); KEY.seg.png, in datasets whose manifest lists
                              `segmentation_classes`: the image's per-pixel class mask, lossless PNG

@@ -14,6 +14,7 @@ vitpipe shard verify s3://corpus/jft --workers 32     # on object storage: each 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -134,17 +135,30 @@ class _HashingReader:
         return self.sha256.hexdigest()
 
 
+@functools.cache
+def _index(location: str):
+    """The dataset's index (its footer parsed once per process, however many shards are damaged), or None
+    where it has none."""
+    from data_prep.index import Table  # pyarrow, only on this rare path: workers stay light
+
+    try:
+        return Table(DatasetDir(location), INDEX)
+    except FileNotFoundError:
+        return None
+
+
 def _compare_with_index(
     root: DatasetDir, shard: ShardInfo, seen: dict[str, tuple[str, list]], multi_label: bool
 ) -> list[Problem]:
     """Name the damaged samples of a shard whose sha256 is off, from their index.parquet rows."""
-    from data_prep.index import read_shard_rows  # pyarrow, only on this rare path: workers stay light
-
-    if root.size(INDEX) is None:
+    index = _index(root.location)
+    if index is None:
         return []
     label_col = "labels" if multi_label else "label"
-    with root.open_file(INDEX) as f:
-        table = read_shard_rows(f, shard.path, ["key", "sha256", label_col])
+    try:
+        table = index.shard_rows(shard.path, ["key", "sha256", label_col])
+    except (OSError, ValueError):
+        return []  # an index part missing or unreadable: the index's own check names it
     out = []
     for key, sha, label in zip(*(table.column(c).to_pylist() for c in ("key", "sha256", label_col))):
         labels = label if multi_label else [label]
@@ -223,6 +237,7 @@ def verify_shard(
 
 def verify_dataset(root: str | Path, workers: int = 1) -> list[ShardCheck]:
     manifest = read_manifest(root)  # a missing or bad manifest is a DatasetError naming it
+    _index.cache_clear()  # this dataset as it is now (the cache spares a re-parse per damaged shard)
     segmentation = manifest.segmentation_classes
     num_segmentation = None if segmentation is None else len(segmentation)
     detection = manifest.detection_classes
@@ -241,16 +256,19 @@ def verify_dataset(root: str | Path, workers: int = 1) -> list[ShardCheck]:
 
 
 def _check_index(root: DatasetDir, expected_rows: int) -> ShardCheck:
-    import pyarrow.parquet as pq  # heavy; the spawned shard-checking workers never need it
+    from data_prep.index import Table  # pyarrow: heavy; the spawned shard-checking workers never need it
 
     try:
-        with root.open_file(INDEX) as f:
-            rows = pq.ParquetFile(f).metadata.num_rows
+        table = Table(root, INDEX)
     except (OSError, ValueError) as exc:
         return ShardCheck(INDEX, 0, [Problem(INDEX, None, f"unreadable ({exc})")])
-    problems = (
-        []
-        if rows == expected_rows
-        else [Problem(INDEX, None, f"{rows} rows, manifest.json counts {expected_rows} samples")]
-    )
+    problems = [
+        Problem(f"{INDEX}/{name}", None, "named by its _metadata but missing")
+        for name in table.files
+        if root.size(table.file_rel(name)) is None
+    ]
+    if table.num_rows != expected_rows:
+        problems.append(
+            Problem(INDEX, None, f"{table.num_rows} rows, manifest.json counts {expected_rows} samples")
+        )
     return ShardCheck(INDEX, 0, problems)

@@ -137,6 +137,14 @@ def counted_macs(model: torch.nn.Module, img_size: int, device: str = "cpu") -> 
 # ---------------------------------------------------------------------- torchrun runs and what they logged
 
 
+def table_files(path: Path) -> dict[str, bytes]:
+    """The files of a table of the dataset layout (index.parquet, errors.parquet: a folder of parts and its
+    `_metadata`), by name: what two builds that should agree byte for byte are compared by."""
+    files = {p.name: p.read_bytes() for p in Path(path).iterdir()}
+    assert "_metadata" in files and "part-000000.parquet" in files, sorted(files)
+    return files
+
+
 def vitpipe_shard(*args, env=None, expect=0) -> subprocess.CompletedProcess:
     """`vitpipe shard ARGS` from the repository root; asserts its exit status and that nothing crashed."""
     cmd = [sys.executable, "-m", "vitpipe", "shard", *map(str, args)]

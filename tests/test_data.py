@@ -29,7 +29,7 @@ def test_layout_manifest_and_plain_webdataset_reads_it(dataset):
     m = read_manifest(dataset)
     assert sum(m.totals.values()) == 90 and set(m.totals) == {"train", "val"}
     assert all(s.count <= 10 and len(s.sha256) == 64 for s in m.shards)
-    assert (dataset / "index.parquet").is_file()
+    assert (dataset / "index.parquet" / "_metadata").is_file()
     assert not list(dataset.rglob("*.tmp"))  # no partial files left behind
     urls = [str(dataset / s.path) for s in m.split_shards("train")]
     with tarfile.open(urls[0]) as tar:

@@ -27,6 +27,8 @@ import pytest
 from conftest import vitpipe_shard as shard
 from PIL import Image
 
+from data_prep.dataset_dir import DatasetDir
+from data_prep.index import Table
 from data_prep.layout import DatasetError, read_manifest
 from data_prep.storage import Store
 from data_prep.synthetic import class_names, synthetic_samples
@@ -89,14 +91,14 @@ def test_shard_into_a_bucket_writes_what_a_folder_gets_and_verify_reads_it(s3, i
     assert remote.shards == local.shards and len(remote.shards) >= 4  # same paths, counts, sizes, sha256
     assert set(remote.totals) == {"train", "val"} and remote.num_errors == 2
     files = bucket_files(uri)
-    for name in ("manifest.json", "index.parquet", "errors.parquet"):
+    for name in ("manifest.json", "index.parquet/_metadata", "errors.parquet/_metadata"):
         assert name in files
     assert not [f for f in files if f.endswith(".tmp") or "staging" in f]
-    store = Store(uri)
+    remote_dir, store = DatasetDir(uri), Store(uri)
     for table in ("index.parquet", "errors.parquet"):
-        assert pq.read_table(io.BytesIO(store.read_bytes(table))).equals(
-            pq.read_table(tmp_path / "local" / table)
-        )
+        assert Table(remote_dir, table).read().equals(pq.read_table(tmp_path / "local" / table))
+        parts = sorted(f for f in files if f.startswith(f"{table}/"))
+        assert parts == sorted(f"{table}/{p.name}" for p in (tmp_path / "local" / table).iterdir())
     assert not list((tmp_path / "scratch").rglob("*.tar")), "staged shards are removed once uploaded"
     endpoint = uri.split("endpoint_override=")[1].split("&")[0]
     keys = [
@@ -238,11 +240,11 @@ def test_manifest_of_s3_images_shards_them_and_names_the_missing(s3, tmp_path, m
     shard("manifest", tmp_path / "photos.parquet", out, "--max-count", 16, "--workers", 2, "--no-progress")
     m = read_manifest(out)
     assert m.totals == {"train": 40} and m.num_errors == 2 and m.classes == ["a", "b"]
-    errors = pq.read_table(io.BytesIO(Store(out).read_bytes("errors.parquet"))).to_pylist()
+    errors = Table(DatasetDir(out), "errors.parquet").read().to_pylist()
     reasons = {e["source"].rsplit("/", 1)[1]: (e["stage"], e["reason"]) for e in errors}
     assert reasons["missing.jpg"][0] == "read" and "no such file or object" in reasons["missing.jpg"][1]
     assert reasons["notes.jpg"][0] == "decode"
-    index = pq.read_table(io.BytesIO(Store(out).read_bytes("index.parquet"))).to_pylist()
+    index = Table(DatasetDir(out), "index.parquet").read().to_pylist()
     assert sorted(r["key"] for r in index) == [f"ckpt/inputs/img/{i:03d}" for i in range(40)]
     assert all(r["source"].startswith("s3://ckpt/inputs/img/") for r in index)
     assert "all OK" in shard("verify", out).stdout

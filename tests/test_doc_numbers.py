@@ -88,6 +88,29 @@ def _minutes_seconds(shown: str) -> float:
 # (document, sentence with one group per number, where each number comes from)
 CLAIMS = [
     (
+        "docs/sharding.md",
+        r"reads the (\d+) parts' footers and writes the summary: ([\d,]+) row groups in a (\d+\.\d+) MB "
+        r"`_metadata`\s+\(`bench/results/index.json`, `parts`: (\d\.\d+)x the footer of one file of ([\d,]+) "
+        r"groups\)\. Parsing it took\s+(\d\.\d+) s and finding a shard's rows through it (\d\.\d+) s, against "
+        r"(\d\.\d+) s and (\d\.\d+) s",
+        [
+            result("index.json", "layouts.parts.parts"),
+            result("index.json", "layouts.parts.row_groups"),
+            derived(
+                "index.json: the summary in MB",
+                lambda: (
+                    json.loads((RESULTS / "index.json").read_text())["layouts"]["parts"]["footer_bytes"] / 1e6
+                ),
+            ),
+            result("index.json", "summary_bytes_vs_one_file.value"),
+            result("index.json", "layouts.fixed_groups.row_groups"),
+            result("index.json", "layouts.parts.open_s"),
+            result("index.json", "layouts.parts.lookup_s"),
+            result("index.json", "layouts.per_shard.open_s"),
+            result("index.json", "layouts.per_shard.lookup_s"),
+        ],
+    ),
+    (
         "README.md",
         r"10M rows: (\d+\.\d+) s of its CPU and (\d+\.\d+) MB",
         [

@@ -19,12 +19,20 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import webdataset as wds
-from conftest import ROOT
+from conftest import ROOT, table_files
 from conftest import vitpipe_shard as shard
 from PIL import Image
 
 from data_prep.dataset_dir import DatasetDir
-from data_prep.index import ROW_GROUP_ROWS, read_shard_rows, write_index
+from data_prep.index import (
+    ROW_GROUP_ROWS,
+    Table,
+    part_name,
+    read_shard_rows,
+    write_index,
+    write_index_file,
+    write_summary,
+)
 from data_prep.layout import read_manifest
 
 pytestmark = pytest.mark.unit
@@ -77,7 +85,10 @@ def test_folder_source_skips_and_lists_bad_inputs(class_folder, tmp_path):
     assert "rejected 4 of 24 inputs" in proc.stdout
     errors = pq.read_table(out / "errors.parquet").to_pylist()
     assert {e["key"] for e in errors} == BAD_FOLDER_KEYS
-    assert pq.ParquetFile(out / "errors.parquet").metadata.num_row_groups == 1  # listing's and shards' errors
+    # The listing's rejections in the first part, the shards' in their index task's; one summary for both.
+    parts = sorted(p.name for p in (out / "errors.parquet").iterdir())
+    assert parts == ["_metadata", "part-000000.parquet", "part-000001.parquet"], parts
+    assert [e["stage"] for e in errors] == ["listing"] * 2 + ["decode"] * 2, errors
     reasons = {e["key"]: e["reason"] for e in errors}
     assert reasons["cat/empty"].startswith("empty file")
     assert reasons["cat/notes"].startswith("not an image")
@@ -121,7 +132,7 @@ def test_max_errors_exceeded_fails_without_manifest(class_folder, tmp_path):
     out = tmp_path / "out"
     proc = shard("folder", class_folder, out, "--workers", 1, "--max-errors", 0.1, expect=1)
     assert "4 of 24 inputs rejected" in proc.stderr and "--max-errors 0.1" in proc.stderr
-    assert not (out / "manifest.json").exists() and (out / "errors.parquet").is_file()
+    assert not (out / "manifest.json").exists() and (out / "errors.parquet" / "_metadata").is_file()
     # Accepting them re-uses the complete shards.
     proc = shard("folder", class_folder, out, "--workers", 1, "--max-errors", 0.5)
     assert "already complete" in proc.stdout and (out / "manifest.json").is_file()
@@ -238,14 +249,12 @@ def test_synthetic_labels_per_image_and_two_workers_match_one(tmp_path):
     shard("synthetic", tmp_path / "w2", *args, "--workers", 2, "--val-fraction", 0.2)
     one, two = shard_hashes(tmp_path / "w1"), shard_hashes(tmp_path / "w2")
     assert one == two and len(one) >= 8
-    assert (tmp_path / "w1" / "index.parquet").read_bytes() == (
-        tmp_path / "w2" / "index.parquet"
-    ).read_bytes()
+    assert table_files(tmp_path / "w1" / "index.parquet") == table_files(tmp_path / "w2" / "index.parquet")
     labels = pq.read_table(tmp_path / "w1" / "index.parquet").column("labels").to_pylist()
     assert 2.0 < np.mean([len(x) for x in labels]) < 3.0
     assert pq.read_table(tmp_path / "w1" / "index.parquet").column("width").to_pylist()[0] == 48
-    # One row group for the whole index, not one per shard (8+ shards here).
-    assert pq.ParquetFile(tmp_path / "w1" / "index.parquet").metadata.num_row_groups == 1
+    # One row group for the whole index, not one per shard (8+ shards here), and its summary says so.
+    assert pq.read_metadata(tmp_path / "w1" / "index.parquet" / "_metadata").num_row_groups == 1
 
 
 def test_killed_run_resumes_to_the_same_shards(tmp_path):
@@ -386,7 +395,7 @@ def test_the_index_has_row_groups_of_a_fixed_size_whatever_the_shards(tmp_path):
         for s in range(shards)
     )
     write_index(DatasetDir(tmp_path), rows, multi_label=False)
-    meta = pq.ParquetFile(tmp_path / "index.parquet").metadata
+    meta = pq.read_metadata(tmp_path / "index.parquet" / "_metadata")
     sizes = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
     assert (
         sizes
@@ -394,8 +403,11 @@ def test_the_index_has_row_groups_of_a_fixed_size_whatever_the_shards(tmp_path):
         == [65536, 65536, 8928]
     )
     cut = ROW_GROUP_ROWS // per_shard  # shard 93 holds rows 65,100-65,799: across the first boundary
-    with open(tmp_path / "index.parquet", "rb") as f:
+    with open(tmp_path / "index.parquet" / part_name(0), "rb") as f:
         table = read_shard_rows(f, f"train/shard-{cut:06d}.tar", ["key", "label"])
+    assert table == Table(DatasetDir(tmp_path), "index.parquet").shard_rows(
+        f"train/shard-{cut:06d}.tar", ["key", "label"]
+    )
     assert table["key"].to_pylist() == [f"s{cut}/{i}" for i in range(per_shard)]
     assert table["label"].to_pylist() == [i % 5 for i in range(per_shard)]
 
@@ -489,3 +501,97 @@ def test_ray_tasks_write_the_same_shards(ray_cluster, tmp_path):
         assert pq.read_table(tmp_path / "m-dies" / name) == pq.read_table(tmp_path / "m-local" / name)
     assert read_manifest(tmp_path / "m-dies").shards == read_manifest(tmp_path / "m-local").shards
     assert not [p for p in (tmp_path / "m-dies").rglob("*") if ".tmp" in p.name]
+
+
+def _index_rows(shards: range, per_shard: int) -> list[dict[str, list]]:
+    return [
+        {
+            "key": [f"s{s}/{i}" for i in range(per_shard)],
+            "split": ["train"] * per_shard,
+            "shard": [f"train/shard-{s:06d}.tar"] * per_shard,
+            "labels": [[s % 7, i % 3] for i in range(per_shard)],
+            "width": [8] * per_shard,
+            "height": [8] * per_shard,
+            "bytes": [100 + i for i in range(per_shard)],
+            "sha256": [f"{s:032x}{i:032x}" for i in range(per_shard)],
+            "source": [f"s3://corpus/{s}/{i}.jpg" for i in range(per_shard)],
+        }
+        for s in shards
+    ]
+
+
+def test_a_table_of_parts_reads_as_one_with_pandas_and_pyarrow_and_by_shard(tmp_path):
+    """index.parquet as a build leaves it: parts written by index tasks, joined by `_metadata` (the parts'
+    footers, no row copied). pandas and pyarrow read the folder as one table in part order; a shard's rows
+    come from the groups that hold it, in whichever part; a part left by a larger build before is removed;
+    a one-file index of a dataset written before still reads."""
+    out = DatasetDir(tmp_path)
+    (tmp_path / "index.parquet").mkdir()
+    for n, shards in enumerate((range(0, 30), range(30, 55), range(55, 90), range(90, 100))):
+        write_index_file(
+            out, f"index.parquet/{part_name(n)}", _index_rows(shards, 50), True, row_group_rows=400
+        )
+    write_summary(out, "index.parquet", [part_name(0), part_name(1), part_name(3)])  # part 2: a stale one
+    assert sorted(p.name for p in (tmp_path / "index.parquet").iterdir()) == [
+        "_metadata",
+        part_name(0),
+        part_name(1),
+        part_name(3),
+    ]
+    keys = [k for s in [*range(0, 55), *range(90, 100)] for k in _index_rows(range(s, s + 1), 50)[0]["key"]]
+    assert pq.read_table(tmp_path / "index.parquet").column("key").to_pylist() == keys
+    import pandas as pd
+    import pyarrow.dataset as ds
+
+    assert pd.read_parquet(tmp_path / "index.parquet")["key"].tolist() == keys
+    summary = ds.parquet_dataset(str(tmp_path / "index.parquet" / "_metadata"))
+    assert summary.to_table().column("key").to_pylist() == keys
+    table = Table(out, "index.parquet")
+    assert table.num_rows == len(keys) == 3250 and table.files == [part_name(0), part_name(1), part_name(3)]
+    assert table.read().column("key").to_pylist() == keys
+    # Shard 37 is in part 1 (groups of 400 rows: rows 350-399 of that part, one group); 95 in part 3.
+    for s in (0, 37, 54, 95):
+        rows = table.shard_rows(f"train/shard-{s:06d}.tar", ["key", "labels"])
+        assert rows["key"].to_pylist() == [f"s{s}/{i}" for i in range(50)], s
+        assert rows["labels"].to_pylist() == [[s % 7, i % 3] for i in range(50)], s
+    assert table.shard_rows("train/shard-000070.tar", ["key"]).num_rows == 0  # in the stale part only
+    # A dataset written before: one file at the same path.
+    old = tmp_path / "old"
+    old.mkdir()
+    pq.write_table(pq.read_table(tmp_path / "index.parquet"), old / "index.parquet", row_group_size=400)
+    legacy = Table(DatasetDir(old), "index.parquet")
+    assert legacy.num_rows == 3250 and legacy.shard_rows("train/shard-000037.tar", ["key"]).num_rows == 50
+    # Writing the index over it replaces the file with the folder.
+    write_index(DatasetDir(old), _index_rows(range(3), 10), multi_label=True)
+    assert Table(DatasetDir(old), "index.parquet").num_rows == 30 and (old / "index.parquet").is_dir()
+    with pytest.raises(FileNotFoundError, match="no such table"):
+        Table(DatasetDir(tmp_path / "none"), "index.parquet")
+
+
+def test_verify_names_a_missing_part_and_a_damaged_key_through_the_summary(tmp_path):
+    """`verify` checks the index as a table: every part its `_metadata` names is there, the rows add up, and
+    a damaged shard's keys are found from the groups that hold the shard."""
+    from data_prep.synthetic import class_names, synthetic_samples
+    from data_prep.verify import verify_dataset
+    from data_prep.writer import write_dataset
+
+    out = tmp_path / "ds"
+    m = write_dataset(
+        out, synthetic_samples(40, 4, width=32, height=24), class_names(4), multi_label=True, max_count=10
+    )
+    assert all(not c.problems for c in verify_dataset(out))
+    target = m.shards[2]
+    data = bytearray((out / target.path).read_bytes())
+    data[len(data) // 3] ^= 0xFF
+    (out / target.path).write_bytes(bytes(data))
+    (out / "index.parquet" / part_name(0)).rename(tmp_path / "moved.parquet")
+    problems = [p for c in verify_dataset(out) for p in c.problems]
+    assert any(
+        p.shard == f"index.parquet/{part_name(0)}" and "named by its _metadata but missing" in p.reason
+        for p in problems
+    ), problems
+    assert any(p.shard == target.path and "sha256" in p.reason for p in problems), problems
+    (tmp_path / "moved.parquet").rename(out / "index.parquet" / part_name(0))
+    problems = [p for c in verify_dataset(out) for p in c.problems]
+    named = [p.key for p in problems if p.key]  # the index's rows name the damaged sample
+    assert named and all(p.shard == target.path for p in problems), problems

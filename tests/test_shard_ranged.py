@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import webdataset as wds
+from conftest import table_files
 from PIL import Image
 
 from data_prep import build as build_module
@@ -155,7 +156,7 @@ def test_many_buckets_keep_the_order_and_the_bytes_whatever_the_workers_and_rang
     shards = read_manifest(tmp_path / "a").shards
     assert all(s.count <= 16 for s in shards)
     assert len(shards) > len(read_manifest(tmp_path / "serial").shards)  # shorter shards at bucket ends
-    assert (tmp_path / "a" / "index.parquet").read_bytes() == (tmp_path / "b" / "index.parquet").read_bytes()
+    assert table_files(tmp_path / "a" / "index.parquet") == table_files(tmp_path / "b" / "index.parquet")
 
 
 def test_max_size_cuts_shards_as_the_serial_planner_does(inputs, tmp_path, monkeypatch):
@@ -209,7 +210,7 @@ def test_a_failed_build_resumes_without_redoing_finished_ranges_and_buckets(inpu
     report = build(parquet, out, max_count=16)
     assert calls == {"list": 0, "sort": 0}
     assert report.resumed_shards == 2 and shard_bytes(out) == shard_bytes(whole)
-    assert (out / "index.parquet").read_bytes() == (whole / "index.parquet").read_bytes()
+    assert table_files(out / "index.parquet") == table_files(whole / "index.parquet")
     assert not list((out / ".work").glob("plan_*"))  # the plan's parts go once the dataset is complete
 
 
@@ -245,10 +246,10 @@ def test_the_driver_hands_out_only_numbers(inputs, tmp_path, monkeypatch):
     assert all(len(repr(t)) < 200 for t in seen if type(t).__name__ in ("SurveyTask", "Range"))
 
 
-def test_index_and_errors_are_the_same_files_from_one_part_or_one_per_shard(inputs, tmp_path, monkeypatch):
-    """index.parquet and errors.parquet copied from index parts: byte for byte the same with one part for
-    the whole dataset and with one per shard, with rejected inputs from the listing and from the shards'
-    sidecars (a truncated image: stage "decode") in the serial planner's order."""
+def test_index_and_errors_read_the_same_from_one_part_or_one_per_shard(inputs, tmp_path, monkeypatch):
+    """index.parquet and errors.parquet as the index tasks' parts: the same rows with one part for the
+    whole dataset and with one per shard, with rejected inputs from the listing (the first part) and from
+    the shards' sidecars (a truncated image: stage "decode") in the serial planner's order."""
     _, csv = inputs
     bad = csv.parent / "truncated.png"
     bad.write_bytes((csv.parent / "img0.png").read_bytes()[:60])
@@ -259,17 +260,21 @@ def test_index_and_errors_are_the_same_files_from_one_part_or_one_per_shard(inpu
     monkeypatch.setattr(finish, "PART_ROWS", 1)
     per_shard = build(manifest, tmp_path / "per_shard", max_count=16, serial=True)
     ranged_csv = build(manifest, tmp_path / "ranged", max_count=16)  # listing errors from the range parts
-    assert (tmp_path / "ranged" / "errors.parquet").read_bytes() == (
-        tmp_path / "one" / "errors.parquet"
-    ).read_bytes()
+    rows = [pq.read_table(tmp_path / d / "errors.parquet").to_pylist() for d in ("ranged", "one")]
+    assert rows[0] == rows[1] and len(rows[0]) == 5
     assert ranged_csv.reasons == one.reasons
     for name in ("index.parquet", "errors.parquet"):
-        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "per_shard" / name).read_bytes(), name
+        a, b = tmp_path / "one" / name, tmp_path / "per_shard" / name
+        assert pq.read_table(a).to_pylist() == pq.read_table(b).to_pylist(), name
+    assert len(table_files(tmp_path / "one" / "index.parquet")) == 2  # one part and the summary
+    assert len(table_files(tmp_path / "per_shard" / "index.parquet")) == 1 + len(
+        read_manifest(tmp_path / "per_shard").shards
+    )
     errors = pq.read_table(tmp_path / "per_shard" / "errors.parquet").to_pylist()
     assert [e["stage"] for e in errors] == ["listing"] * 4 + ["decode"] and errors[-1]["key"] == "kbad"
     assert errors[-1]["shard"].startswith("train/") or errors[-1]["shard"].startswith("val/")
     assert one.reasons == per_shard.reasons and sum(per_shard.reasons.values()) == 5
-    assert not list((tmp_path / "per_shard" / ".work").glob("*_part_*"))  # the parts are gone
+    assert not list((tmp_path / "per_shard" / ".work").glob("*part*"))  # no part in the work folder
 
 
 def test_a_node_without_the_manifest_on_its_disk_reads_the_copy_in_the_bucket(inputs, tmp_path, s3):
