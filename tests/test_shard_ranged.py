@@ -456,3 +456,37 @@ def test_a_folder_that_changes_while_it_is_planned_is_refused(class_folder, tmp_
             DatasetError, match=r"changed while it was planned: range 0 \(folders 'c04'..'c05'\)"
         ):
             planner.list(executor)
+
+
+def test_a_malformed_csv_line_is_an_error_row_wherever_the_spans_fall(inputs, tmp_path, monkeypatch):
+    """A CSV line with too few or too many fields is an error row naming the manifest's row, never a failed
+    range or build: the serial planner, one span, spans of a few lines and 2 workers agree on the shards,
+    the index, the error rows and the row numbers of the rows after it."""
+    _, csv = inputs
+    lines = csv.read_text().splitlines()
+    lines[3:3] = ["img1.png,cat"]  # data row 3: too few fields
+    lines[101:101] = ["img2.png,dog,kx,,extra"]  # data row 101: too many
+    lines.append("img3.png")  # the last row: one field
+    manifest = csv.parent / "malformed.csv"
+    manifest.write_text("\n".join(lines) + "\n")
+    serial = build(manifest, tmp_path / "serial", max_count=16, serial=True)
+    ranged_one = build(manifest, tmp_path / "one", max_count=16)
+    monkeypatch.setattr(table_module, "CSV_ROW_BYTES", 4)  # spans of a few lines, many of them
+    assert len(ManifestSource(manifest).range_specs(2)) > 100
+    ranged_many = build(manifest, tmp_path / "many", workers=2, max_count=16)
+    same_dataset(tmp_path / "serial", tmp_path / "one")
+    same_dataset(tmp_path / "serial", tmp_path / "many")
+    errors = pq.read_table(tmp_path / "many" / "errors.parquet").to_pylist()
+    malformed = {e["source"]: e["reason"] for e in errors if e["reason"].startswith("malformed CSV line")}
+    assert malformed == {
+        "malformed.csv row 3": "malformed CSV line: 2 fields where the header has 4 ('img1.png,cat')",
+        "malformed.csv row 101": "malformed CSV line: 5 fields where the header has 4 ('img2.png,dog,kx,,extra')",
+        f"malformed.csv row {ROWS + 3}": "malformed CSV line: 1 fields where the header has 4 ('img3.png')",
+    }
+    # The rows after them keep their numbers: the manifest's "no path" row (data row 6 of the input,
+    # now 7) is named as it stands in the file.
+    assert any(e["source"] == "malformed.csv row 7" and e["reason"] == "no path" for e in errors), errors
+    for report in (serial, ranged_one, ranged_many):
+        m = report.manifest
+        assert m.num_inputs == ROWS + 3 and sum(m.totals.values()) + m.num_errors == ROWS + 3
+        assert report.reasons.get("malformed CSV line") == 3, report.reasons

@@ -21,7 +21,7 @@ from __future__ import annotations
 import io
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -49,6 +49,67 @@ def _list_values(cells: list) -> Iterator:
             yield from parse_label_list(raw)
         except UnknownLabel:
             continue
+
+
+# A batch's column for the CSV lines the reader could not parse (a wrong number of fields): the reason for
+# such a row (its other columns None), None for a parsed one; absent where the batch has no such line.
+MALFORMED = "__malformed__"
+
+
+def _cells(batch: dict[str, list], column: str) -> list:
+    """`column`'s values of the parsed rows of `batch`."""
+    bad = batch.get(MALFORMED)
+    if bad is None:
+        return batch[column]
+    return [v for v, b in zip(batch.get(column, [None] * len(bad)), bad) if b is None]
+
+
+def _malformed_reason(row) -> str:
+    return (
+        f"malformed CSV line: {row.actual_columns} fields where the header has {row.expected_columns} "
+        f"({row.text[:80]!r})"
+    )
+
+
+def _with_malformed(batches: Iterator[dict[str, list]], skipped: list, header: int) -> Iterator[dict]:
+    """The reader's batches with the lines it skipped (`skipped`: pyarrow's InvalidRow, appended by the
+    handler as it parses) put back where they were, as rows with a MALFORMED reason, so every line of a
+    manifest is a row of the listing: a sample or an error row, numbered as it stands. `header`: 1 where
+    the reader's line numbers count a header line."""
+    at, pending = 1, []  # the next data row's number; skipped lines not yet placed
+
+    def number(row) -> int:
+        return at if row.number is None else row.number - header
+
+    for batch in batches:
+        pending += skipped
+        skipped.clear()
+        n = len(next(iter(batch.values()))) if batch else 0
+        if not pending:
+            at += n
+            yield batch
+            continue
+        pending.sort(key=number)
+        out: dict[str, list] = {c: [] for c in batch}
+        out[MALFORMED] = []
+        i = 0
+        while i < n or (pending and number(pending[0]) <= at):
+            if pending and number(pending[0]) <= at:
+                row = pending.pop(0)
+                for c in batch:
+                    out[c].append(None)
+                out[MALFORMED].append(_malformed_reason(row))
+            else:
+                for c in batch:
+                    out[c].append(batch[c][i])
+                out[MALFORMED].append(None)
+                i += 1
+            at += 1
+        yield out
+    pending += skipped
+    if pending:
+        pending.sort(key=number)
+        yield {MALFORMED: [_malformed_reason(r) for r in pending]}
 
 
 def _is_parquet(path: Path) -> bool:
@@ -100,7 +161,9 @@ class ManifestSource:
     mix = True
 
     # Planned by range tasks (data_prep/ranged.py): a Parquet manifest by runs of row groups, a CSV one by
-    # byte spans cut at line starts (a value holding a line break is refused by the reader either way).
+    # byte spans cut at line starts. A line with a wrong number of fields is an error row. A quoted value
+    # holding a line break is not for CSV manifests: a cut inside it makes two rows of its halves (write
+    # such a manifest as Parquet).
     ranged = True
 
     def __init__(
@@ -241,11 +304,11 @@ class ManifestSource:
             columns = [self.label_col] + (["box_labels"] if boxes is not None else [])
         rows = 0
         for batch in self._batches(columns, spec):
-            rows += len(batch[columns[0]])
+            rows += len(batch.get(MALFORMED) or batch[columns[0]])  # a malformed line is a row too
             if tally:
-                labels.add(self._label_cell_values(batch[self.label_col]))
+                labels.add(self._label_cell_values(_cells(batch, self.label_col)))
             if boxes is not None:
-                boxes.add(_list_values(batch["box_labels"]))
+                boxes.add(_list_values(_cells(batch, "box_labels")))
         return Survey(rows, labels if tally else None, boxes)
 
     def regroup(self, surveyed: list[tuple[tuple, Survey]], rows_per_range: int) -> list[tuple[tuple, int]]:
@@ -255,35 +318,44 @@ class ManifestSource:
         """The listing of one range, whose first row is `first_row` (0-based)."""
         row = first_row
         for batch in self._batches(self.read_cols, spec):
-            for i in range(len(batch["path"])):
-                row += 1
-                yield self._row(row, {c: batch[c][i] for c in self.read_cols})
+            row = yield from self._rows(row, batch)
 
     def _columns(self) -> list[str]:
         try:
             if self.parquet:
                 return list(pq.ParquetFile(self.path).schema_arrow.names)
-            return list(self._csv_reader(None).schema.names)
+            return list(self._csv_reader(None, skipped=[]).schema.names)  # the header, whatever the lines
         except (pa.ArrowInvalid, OSError) as exc:
             raise DatasetError(f"{self.path}: not a readable Parquet or CSV manifest ({exc})") from None
 
-    def _csv_reader(self, columns: list[str] | None, span_stream=None):
-        """The whole CSV, or the lines of `span_stream` (a span of it, read with the header's names)."""
+    def _csv_reader(self, columns: list[str] | None, span_stream=None, skipped: list | None = None):
+        """The whole CSV, or the lines of `span_stream` (a span of it, read with the header's names).
+        `skipped`: where the lines with a wrong number of fields go (pyarrow's InvalidRow), the reader
+        going on past them; on one thread, so that each carries its line number."""
         delimiter = "\t" if self.path.suffix.lower() == ".tsv" else ","
         convert = pacsv.ConvertOptions(
             include_columns=columns,
             # Everything as text: the label column's type must not depend on the first block's values.
             column_types={c: pa.string() for c in (columns or [])},
         )
-        read = pacsv.ReadOptions(block_size=1 << 22)
+        read = pacsv.ReadOptions(block_size=1 << 22, use_threads=skipped is None)
         source = self.path
         if span_stream is not None:
-            read = pacsv.ReadOptions(block_size=1 << 22, column_names=self._names)
+            read = pacsv.ReadOptions(
+                block_size=1 << 22, column_names=self._names, use_threads=skipped is None
+            )
             source = span_stream
+
+        def skip(row) -> str:
+            skipped.append(row)
+            return "skip"
+
         return pacsv.open_csv(
             source,
             read_options=read,
-            parse_options=pacsv.ParseOptions(delimiter=delimiter),
+            parse_options=pacsv.ParseOptions(
+                delimiter=delimiter, invalid_row_handler=None if skipped is None else skip
+            ),
             convert_options=convert,
         )
 
@@ -301,25 +373,28 @@ class ManifestSource:
                         )
                     )
                 return
+            skipped: list = []
             if spec is None:
-                yield from (b.to_pydict() for b in self._csv_reader(columns))
+                reader = self._csv_reader(columns, skipped=skipped)
+                yield from _with_malformed((b.to_pydict() for b in reader), skipped, header=1)
                 return
             with io.BufferedReader(_Span(self._open(), spec[1], spec[2]), 1 << 20) as stream:
-                yield from (b.to_pydict() for b in self._csv_reader(columns, stream))
+                reader = self._csv_reader(columns, stream, skipped)
+                yield from _with_malformed((b.to_pydict() for b in reader), skipped, header=0)
         except pa.ArrowInvalid as exc:
             at = "" if spec is None or self.parquet else f", in bytes {spec[1]}-{spec[2]}"
             raise DatasetError(f"{self.path}: cannot read the manifest ({exc}{at})") from None
 
     def _label_values(self) -> Iterator:
         for batch in self._batches([self.label_col]):
-            yield from self._label_cell_values(batch[self.label_col])
+            yield from self._label_cell_values(_cells(batch, self.label_col))
 
     def _label_cell_values(self, cells: list) -> Iterator:
         return _list_values(cells) if self.multi_label else iter(cells)
 
     def _box_label_values(self) -> Iterator:
         for batch in self._batches(["box_labels"]):
-            yield from _list_values(batch["box_labels"])
+            yield from _list_values(_cells(batch, "box_labels"))
 
     def _boxes(self, r: dict) -> tuple:
         """A row's boxes as ((class, (x, y, w, h)), ...); raises ValueError naming what is wrong."""
@@ -362,10 +437,18 @@ class ManifestSource:
     def listing(self) -> Iterator[Item | ListingError]:
         row = 0
         for batch in self._batches(self.read_cols):
-            n = len(batch["path"])
-            for i in range(n):
-                row += 1
+            row = yield from self._rows(row, batch)
+
+    def _rows(self, row: int, batch: dict[str, list]) -> Generator[Item | ListingError, None, int]:
+        """The listing of `batch`, whose rows follow row `row`; returns the last row's number."""
+        bad = batch.get(MALFORMED)
+        for i in range(len(bad) if bad is not None else len(batch["path"])):
+            row += 1
+            if bad is not None and bad[i] is not None:
+                yield ListingError("", f"{self.path.name} row {row}", bad[i])
+            else:
                 yield self._row(row, {c: batch[c][i] for c in self.read_cols})
+        return row
 
     def _row(self, row: int, r: dict) -> Item | ListingError:
         raw_path = r["path"]
