@@ -490,3 +490,44 @@ def test_a_malformed_csv_line_is_an_error_row_wherever_the_spans_fall(inputs, tm
         m = report.manifest
         assert m.num_inputs == ROWS + 3 and sum(m.totals.values()) + m.num_errors == ROWS + 3
         assert report.reasons.get("malformed CSV line") == 3, report.reasons
+
+
+def test_skipped_lines_go_back_where_they_stood_across_batches():
+    """`_with_malformed` on batches as the reader gives them: lines skipped at the start, at a batch's end
+    (recorded while the next block was parsed), twice in a row and at the very end come back in line
+    order, with their reasons, and the parsed rows keep their order."""
+    from types import SimpleNamespace
+
+    from data_prep.sources.table import MALFORMED, _with_malformed
+
+    def bad(number: int) -> SimpleNamespace:
+        return SimpleNamespace(number=number, expected_columns=2, actual_columns=1, text=f"line{number}")
+
+    # Data rows 1..12 with a header line (numbers count it): 1, 5, 6, 9 and 12 malformed.
+    skipped: list = []
+    plan = [([bad(2)], ["r2", "r3", "r4"]), ([bad(6), bad(7)], ["r7", "r8"]), ([bad(10)], ["r10", "r11"])]
+
+    def batches():
+        for found, rows in plan:
+            skipped.extend(found)  # the handler runs while the reader parses the batch
+            yield {"path": rows}
+        skipped.append(bad(13))  # the last line, found after the last batch
+
+    rows = []
+    for b in _with_malformed(batches(), skipped, header=1):
+        n = len(b[MALFORMED] if MALFORMED in b else b["path"])
+        rows += zip(b.get("path", [None] * n), b.get(MALFORMED, [None] * n))
+    assert [p or reason.rsplit("(", 1)[1] for p, reason in rows] == [
+        "'line2')",
+        "r2",
+        "r3",
+        "r4",
+        "'line6')",
+        "'line7')",
+        "r7",
+        "r8",
+        "'line10')",
+        "r10",
+        "r11",
+        "'line13')",
+    ]
