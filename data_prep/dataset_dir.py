@@ -150,6 +150,12 @@ class DatasetDir:
     def staging(self, rel: str) -> Path:
         """A local file to write `rel` into before `publish`: beside it locally, on scratch remotely."""
         path = atomic.tmp_path(self.root / rel) if self.root is not None else self.scratch / "staging" / rel
+        if self.root is None:
+            # A file staged where a folder is now wanted (index.parquet, one file before it was a folder of
+            # parts), left by a killed run: staged files are never resumed from, so it goes.
+            for parent in reversed(path.relative_to(self.scratch).parents):
+                if (self.scratch / parent).is_file():
+                    (self.scratch / parent).unlink()
         path.parent.mkdir(parents=True, exist_ok=True)
         return path
 

@@ -20,7 +20,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from data_prep.dataset_dir import DatasetDir
-from data_prep.index import GroupedWriter, clear_folder, index_schema, part_name, shard_table, write_summary
+from data_prep.index import (
+    ROW_GROUP_ROWS,
+    GroupedWriter,
+    clear_folder,
+    index_schema,
+    part_name,
+    shard_table,
+    write_summary,
+)
 from data_prep.layout import ERRORS, INDEX
 from data_prep.shard_worker import ShardResult, read_sidecar
 
@@ -116,7 +124,7 @@ def write_index_part(part: IndexPart, job: FinishJob) -> dict:
     if errors:
         table = pa.table([list(c) for c in zip(*errors)], schema=ERROR_SCHEMA)
         with out.writing(part_rel(part.index, "errors")) as tmp:
-            pq.write_table(table, tmp)
+            pq.write_table(table, tmp, row_group_size=ROW_GROUP_ROWS)
     reasons = count_reasons((e[3] for e in errors), {})
     return {"index": part.index, "rows": rows, "errors": len(errors), "reasons": reasons}
 

@@ -16,7 +16,6 @@ footers. Datasets written before are one Parquet file at the same path, and stil
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 
 import pyarrow as pa
@@ -49,7 +48,6 @@ def index_schema(multi_label: bool) -> pa.Schema:
 
 ROW_GROUP_ROWS = 65_536
 SUMMARY = "_metadata"  # beside the parts: their footers joined, each row group with its part's name
-_PART = re.compile(r"part-\d{6}\.parquet")
 
 
 def part_name(index: int) -> str:
@@ -117,8 +115,9 @@ def clear_folder(out: DatasetDir, folder: str) -> None:
 
 
 def write_summary(out: DatasetDir, folder: str, parts: list[str]) -> None:
-    """`folder/_metadata` from the footers of `parts` (in row order; O(row groups), no row is read), then any
-    other part in `folder` removed (a build before made more)."""
+    """`folder/_metadata` from the footers of `parts` (in row order; O(row groups), no row is read), then
+    every other file in `folder` removed: a part of a larger build before, a staged file a killed task left
+    (a folder reader such as pandas would read them as rows)."""
     summary = None
     for name in parts:
         with out.open_file(f"{folder}/{name}") as f:
@@ -131,7 +130,7 @@ def write_summary(out: DatasetDir, folder: str, parts: list[str]) -> None:
     with out.writing(f"{folder}/{SUMMARY}") as tmp:
         summary.write_metadata_file(str(tmp))
     for name in out.list_files(folder):
-        if _PART.fullmatch(name) and name not in parts:
+        if name != SUMMARY and name not in parts:
             out.delete(f"{folder}/{name}")
 
 
@@ -163,17 +162,18 @@ class Table:
 
     def read_groups(self, groups: Iterable[int], columns: list[str] | None = None) -> Iterable[pa.Table]:
         """Row groups `groups` (in the table's numbering), each file opened once, on this thread."""
-        opened: dict[str, pq.ParquetFile] = {}
+        opened: dict[str, tuple] = {}  # file -> (its stream, its ParquetFile)
         try:
             for g in groups:
                 path, within = self.places[g]
                 if path not in opened:
                     f = self.out.open_file(self.file_rel(path))
-                    opened[path] = pq.ParquetFile(f, pre_buffer=False)
-                yield opened[path].read_row_group(within, columns=columns, use_threads=False)
+                    opened[path] = (f, pq.ParquetFile(f, pre_buffer=False))
+                yield opened[path][1].read_row_group(within, columns=columns, use_threads=False)
         finally:
-            for pf in opened.values():
+            for f, pf in opened.values():
                 pf.close()
+                f.close()  # ParquetFile leaves a stream it was given open
 
     def shard_rows(self, shard: str, columns: list[str]) -> pa.Table:
         """The index rows of one shard (`columns` of them): only the row groups whose `shard` statistics

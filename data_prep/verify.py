@@ -143,8 +143,8 @@ def _index(location: str):
 
     try:
         return Table(DatasetDir(location), INDEX)
-    except FileNotFoundError:
-        return None
+    except (OSError, ValueError):
+        return None  # none, or unreadable: the index's own check (`_check_index`) names it
 
 
 def _compare_with_index(
@@ -256,7 +256,10 @@ def verify_dataset(root: str | Path, workers: int = 1) -> list[ShardCheck]:
 
 
 def _check_index(root: DatasetDir, expected_rows: int) -> ShardCheck:
-    from data_prep.index import Table  # pyarrow: heavy; the spawned shard-checking workers never need it
+    from data_prep.index import (
+        SUMMARY,
+        Table,
+    )  # pyarrow: heavy; the spawned shard-checking workers never need it
 
     try:
         table = Table(root, INDEX)
@@ -267,6 +270,12 @@ def _check_index(root: DatasetDir, expected_rows: int) -> ShardCheck:
         for name in table.files
         if root.size(table.file_rel(name)) is None
     ]
+    if table.parted:  # pandas and Spark read the folder by listing it, not through the summary
+        problems += [
+            Problem(f"{INDEX}/{name}", None, "not named by its _metadata (a folder reader would read it too)")
+            for name in root.list_files(INDEX)
+            if name != SUMMARY and name not in table.files
+        ]
     if table.num_rows != expected_rows:
         problems.append(
             Problem(INDEX, None, f"{table.num_rows} rows, manifest.json counts {expected_rows} samples")

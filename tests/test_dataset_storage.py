@@ -363,3 +363,17 @@ def test_uris_with_credentials_or_misspelt_options_are_refused_without_echoing_s
         Store("s3://bucket/p?endpoint_overide=127.0.0.1:9")
     local = DatasetDir(f"file://{tmp_path}/ds")
     assert not local.remote and local.root == tmp_path / "ds"  # rename-into-place, fsync: the local path
+
+
+def test_a_file_staged_where_a_folder_is_now_wanted_is_replaced(tmp_path, s3):
+    """A dataset in a bucket stages its files on scratch: a killed run of the code before left
+    staging/index.parquet (one file); the index's parts now stage under staging/index.parquet/."""
+    uri = s3("staged")
+    out = DatasetDir(uri, tmp_path / "scratch")
+    old = out.scratch / "staging" / "index.parquet"
+    old.parent.mkdir(parents=True)
+    old.write_bytes(b"half an index")
+    with out.writing("index.parquet/part-000000.parquet") as staged:
+        staged.write_bytes(b"part")
+    assert Store(uri).read_bytes("index.parquet/part-000000.parquet") == b"part"
+    assert not old.is_file()

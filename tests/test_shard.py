@@ -531,6 +531,7 @@ def test_a_table_of_parts_reads_as_one_with_pandas_and_pyarrow_and_by_shard(tmp_
         write_index_file(
             out, f"index.parquet/{part_name(n)}", _index_rows(shards, 50), True, row_group_rows=400
         )
+    (tmp_path / "index.parquet" / f"{part_name(4)}.tmp").write_bytes(b"PAR1 half")  # a killed task's
     write_summary(out, "index.parquet", [part_name(0), part_name(1), part_name(3)])  # part 2: a stale one
     assert sorted(p.name for p in (tmp_path / "index.parquet").iterdir()) == [
         "_metadata",
@@ -595,3 +596,16 @@ def test_verify_names_a_missing_part_and_a_damaged_key_through_the_summary(tmp_p
     problems = [p for c in verify_dataset(out) for p in c.problems]
     named = [p.key for p in problems if p.key]  # the index's rows name the damaged sample
     assert named and all(p.shard == target.path for p in problems), problems
+    # A file in the folder the summary does not name: pandas would read it as rows.
+    stray = out / "index.parquet" / "part-000009.parquet"
+    stray.write_bytes((out / "index.parquet" / part_name(0)).read_bytes())
+    problems = [p for c in verify_dataset(out) for p in c.problems]
+    assert any(p.shard == "index.parquet/part-000009.parquet" and "not named" in p.reason for p in problems)
+    stray.unlink()
+    # A damaged summary: verify says so and still names the damaged shard (it does not crash).
+    summary = out / "index.parquet" / "_metadata"
+    summary.write_bytes(summary.read_bytes()[: summary.stat().st_size // 2])
+    for workers in (1, 2):
+        problems = [p for c in verify_dataset(out, workers=workers) for p in c.problems]
+        assert any(p.shard == "index.parquet" and "unreadable" in p.reason for p in problems), problems
+        assert any(p.shard == target.path and "sha256" in p.reason for p in problems), problems

@@ -531,3 +531,17 @@ def test_skipped_lines_go_back_where_they_stood_across_batches():
         "r11",
         "'line13')",
     ]
+
+
+def test_blank_lines_before_a_csv_header_number_the_rows_alike(inputs, tmp_path, monkeypatch):
+    """The reader skips blank lines before the header; the spans start after the header it found, so a
+    ranged build reads no header as a row and numbers the rows as the serial planner does."""
+    _, csv = inputs
+    manifest = csv.parent / "blank_first.csv"
+    manifest.write_text("\n\n" + csv.read_text())
+    build(manifest, tmp_path / "serial", max_count=16, serial=True)
+    monkeypatch.setattr(table_module, "CSV_ROW_BYTES", 8)
+    build(manifest, tmp_path / "ranged", workers=2, max_count=16)
+    same_dataset(tmp_path / "serial", tmp_path / "ranged")
+    sources = [e["source"] for e in pq.read_table(tmp_path / "ranged" / "errors.parquet").to_pylist()]
+    assert "blank_first.csv row 6" in sources  # the row without a path, as numbered in the manifest

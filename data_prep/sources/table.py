@@ -162,8 +162,9 @@ class ManifestSource:
 
     # Planned by range tasks (data_prep/ranged.py): a Parquet manifest by runs of row groups, a CSV one by
     # byte spans cut at line starts. A line with a wrong number of fields is an error row. A quoted value
-    # holding a line break is not for CSV manifests: a cut inside it makes two rows of its halves (write
-    # such a manifest as Parquet).
+    # holding a line break is not for CSV manifests: read whole it is one row, but a span cut inside it
+    # reads its halves as two lines (an error row and a row with a wrong path), so the serial and the
+    # ranged planner disagree on it (write such a manifest as Parquet).
     ranged = True
 
     def __init__(
@@ -286,7 +287,12 @@ class ManifestSource:
         at each cut: O(spans) bytes, never the rows."""
         size = os.path.getsize(self.path)
         with open(self.path, "rb") as f:
-            cuts = [next_line_start(f, 1, size)]  # after the header line
+            header_end = 0  # after the header: the first line that is not blank, as the reader finds it
+            for line in iter(f.readline, b""):
+                header_end += len(line)
+                if line.strip():
+                    break
+            cuts = [header_end]
             while cuts[-1] + span_bytes < size:
                 cut = next_line_start(f, cuts[-1] + span_bytes, size)
                 if cut >= size:
