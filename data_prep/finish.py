@@ -83,10 +83,14 @@ class FinishJob:
         return DatasetDir(self.root, self.scratch or None)
 
 
+def errors_part(index: int) -> str:
+    """Index task `index`'s part of errors.parquet, whose first part (0) holds the listing's rejected inputs."""
+    return part_name(index + 1)
+
+
 def part_rel(index: int, kind: str) -> str:
-    """Index task `index`'s part of index.parquet ("index") or errors.parquet ("errors"), whose first part
-    (0) holds the listing's rejected inputs."""
-    return f"{INDEX}/{part_name(index)}" if kind == "index" else f"{ERRORS}/{part_name(index + 1)}"
+    """Index task `index`'s part of index.parquet ("index") or errors.parquet ("errors")."""
+    return f"{INDEX}/{part_name(index)}" if kind == "index" else f"{ERRORS}/{errors_part(index)}"
 
 
 def index_parts(results: list[ShardResult], rows: int | None = None) -> Iterator[IndexPart]:
@@ -186,7 +190,7 @@ def finish_index(
                 schema=ERROR_SCHEMA,
             )
 
-    errors = [part_name(m["index"] + 1) for m in markers if m["errors"]]
+    errors = [errors_part(m["index"]) for m in markers if m["errors"]]
     first = f"{ERRORS}/{part_name(0)}"
     if _write(out, first, ERROR_SCHEMA, listed()) or not errors:
         errors.insert(0, part_name(0))

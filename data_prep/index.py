@@ -2,9 +2,9 @@
 
 The columns and their order are the layout's (`layout.INDEX_COLUMNS`); this adds their types. Rows go in
 shard order, in row groups of `ROW_GROUP_ROWS` whatever the shard size: at JFT scale (300M rows in 100k
-shards) one group per shard made a footer of 110 MB that every reader parsed; 64k-row groups make 4,578
-groups and a 5 MB footer (bench/index.py), and each group's `shard` statistics still narrow a lookup to the
-one or two groups that hold a shard (`shard_rows`).
+shards) one group per shard made a footer of 110 MB that every reader parsed; 64k-row groups make about
+4,900 groups and a 6 MB summary (bench/index.py), and each group's `shard` statistics still narrow a lookup
+to the one or two groups that hold a shard (`Table.shard_rows`).
 
 index.parquet (and errors.parquet) is a folder of parts, `part-NNNNNN.parquet` in row order, with a
 `_metadata` summary: every part's footer in one file, each row group naming its part (Hive/Spark's and
@@ -179,11 +179,7 @@ class Table:
         """The index rows of one shard (`columns` of them): only the row groups whose `shard` statistics
         can hold it are read (see `read_shard_rows`)."""
         groups = self.read_groups(_groups_of(self.meta, shard), [*columns, "shard"])
-        parts = [g.filter(pc.equal(g["shard"], shard)).select(columns) for g in groups]
-        if not parts:
-            schema = self.meta.schema.to_arrow_schema()
-            return pa.schema([schema.field(c) for c in columns]).empty_table()
-        return pa.concat_tables(parts)
+        return _rows_of(shard, groups, columns, self.meta.schema.to_arrow_schema())
 
     def read(self) -> pa.Table:
         """The whole table, in row order."""
@@ -222,10 +218,16 @@ def read_shard_rows(f, shard: str, columns: list[str]) -> pa.Table:
     exception": apache/arrow issues 34314, 39162; 9 runs in 100 of `vitpipe shard verify` on a busy
     machine when it went through `pq.read_table(filters=...)`, even with use_threads=False)."""
     pf = pq.ParquetFile(f, pre_buffer=False)
-    parts = []
-    for i in _groups_of(pf.metadata, shard):
-        group = pf.read_row_group(i, columns=[*columns, "shard"], use_threads=False)
-        parts.append(group.filter(pc.equal(group["shard"], shard)).select(columns))
+    groups = (
+        pf.read_row_group(i, columns=[*columns, "shard"], use_threads=False)
+        for i in _groups_of(pf.metadata, shard)
+    )
+    return _rows_of(shard, groups, columns, pf.schema_arrow)
+
+
+def _rows_of(shard: str, groups: Iterable[pa.Table], columns: list[str], schema: pa.Schema) -> pa.Table:
+    """`shard`'s rows of `groups` (read with their `shard` column), `columns` of them."""
+    parts = [g.filter(pc.equal(g["shard"], shard)).select(columns) for g in groups]
     if not parts:
-        return pa.schema([pf.schema_arrow.field(c) for c in columns]).empty_table()
+        return pa.schema([schema.field(c) for c in columns]).empty_table()
     return pa.concat_tables(parts)

@@ -256,10 +256,8 @@ def verify_dataset(root: str | Path, workers: int = 1) -> list[ShardCheck]:
 
 
 def _check_index(root: DatasetDir, expected_rows: int) -> ShardCheck:
-    from data_prep.index import (
-        SUMMARY,
-        Table,
-    )  # pyarrow: heavy; the spawned shard-checking workers never need it
+    # pyarrow: heavy; the spawned shard-checking workers never need it
+    from data_prep.index import SUMMARY, Table
 
     try:
         table = Table(root, INDEX)
