@@ -325,7 +325,7 @@ def test_csv_spans_start_at_line_starts_and_tile_the_file(tmp_path):
     data = path.read_bytes()
     whole = list(source.listing())
     for span_bytes in (1, 9, 64, 1 << 20):
-        spans = source._csv_spans(span_bytes)
+        spans = source.csv.spans(span_bytes)
         assert spans[0][0] == len(lines[0]) + 2 and spans[-1][1] == len(data)
         assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
         assert all(data[a - 1 : a] == b"\n" for a, _ in spans)
@@ -334,7 +334,7 @@ def test_csv_spans_start_at_line_starts_and_tile_the_file(tmp_path):
             listed += source.list_rows(("bytes", a, b), first)
             first += source.survey(("bytes", a, b), False).rows
         assert listed == whole and first == 40, span_bytes
-    assert len(source._csv_spans(1)) == 40
+    assert len(source.csv.spans(1)) == 40
     assert whole[3].labels == (source.classes.index("c,0"),) and whole[3].key == "k3xxx"
 
 

@@ -156,6 +156,81 @@ def next_line_start(f, pos: int, size: int, chunk: int = 1 << 16) -> int:
     return size
 
 
+class CsvTable:
+    """A CSV file (TSV by its suffix) read by pyarrow as text columns, whole or in byte spans cut at line
+    starts (`spans`), each line a row: a line with a wrong number of fields comes back where it stood as a
+    row with a MALFORMED reason (`_with_malformed`). A span is read with the header's names (it has none
+    of its own). `opener`: the file as a seekable binary stream, where not at `path` on this node."""
+
+    def __init__(self, path: Path, opener=None):
+        self.path = path
+        self._opener = opener
+        self.names = list(self.reader(None, skipped=[]).schema.names)  # the header, whatever the lines
+
+    def open(self):
+        return open(self.path, "rb") if self._opener is None else self._opener()
+
+    def spans(self, span_bytes: int) -> list[tuple[int, int]]:
+        """Byte spans of whole lines after the header, each about `span_bytes` long. Reads a line's worth
+        at each cut: O(spans) bytes, never the rows."""
+        size = os.path.getsize(self.path)
+        with open(self.path, "rb") as f:
+            header_end = 0  # after the header: the first line that is not blank, as the reader finds it
+            for line in iter(f.readline, b""):
+                header_end += len(line)
+                if line.strip():
+                    break
+            cuts = [header_end]
+            while cuts[-1] + span_bytes < size:
+                cut = next_line_start(f, cuts[-1] + span_bytes, size)
+                if cut >= size:
+                    break
+                cuts.append(cut)
+        cuts.append(size)
+        return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+    def reader(self, columns: list[str] | None, span_stream=None, skipped: list | None = None):
+        """The whole file, or the lines of `span_stream` (a span of it, read with the header's names).
+        `skipped`: where the lines with a wrong number of fields go (pyarrow's InvalidRow), the reader
+        going on past them; on one thread, so that each carries its line number."""
+        delimiter = "\t" if self.path.suffix.lower() == ".tsv" else ","
+        convert = pacsv.ConvertOptions(
+            include_columns=columns,
+            # Everything as text: a column's type must not depend on the first block's values.
+            column_types={c: pa.string() for c in (columns or [])},
+        )
+        read = pacsv.ReadOptions(block_size=1 << 22, use_threads=skipped is None)
+        source = self.path
+        if span_stream is not None:
+            read = pacsv.ReadOptions(block_size=1 << 22, column_names=self.names, use_threads=skipped is None)
+            source = span_stream
+
+        def skip(row) -> str:
+            skipped.append(row)
+            return "skip"
+
+        return pacsv.open_csv(
+            source,
+            read_options=read,
+            parse_options=pacsv.ParseOptions(
+                delimiter=delimiter, invalid_row_handler=None if skipped is None else skip
+            ),
+            convert_options=convert,
+        )
+
+    def batches(self, columns: list[str], span: tuple[int, int] | None = None) -> Iterator[dict[str, list]]:
+        """Batches of `columns` (with MALFORMED where a batch holds a malformed line): the whole file, or
+        the lines of bytes [span[0], span[1]). Raises pyarrow's ArrowInvalid on what it cannot read."""
+        skipped: list = []
+        if span is None:
+            reader = self.reader(columns, skipped=skipped)
+            yield from _with_malformed((b.to_pydict() for b in reader), skipped, header=1)
+            return
+        with io.BufferedReader(_Span(self.open(), *span), 1 << 20) as stream:
+            reader = self.reader(columns, stream, skipped)
+            yield from _with_malformed((b.to_pydict() for b in reader), skipped, header=0)
+
+
 class ManifestSource:
     kind = "manifest"
     mix = True
@@ -181,8 +256,8 @@ class ManifestSource:
         self.base = self.path.parent
         self.split_salt = seed
         self.parquet = _is_parquet(self.path)
+        self.csv: CsvTable | None = None  # a CSV manifest's reader (`_columns`)
         columns = self._columns()
-        self._names = columns  # a CSV span is read with the header's names (it has no header of its own)
         label_col = "labels" if "labels" in columns else "label" if "label" in columns else None
         if "path" not in columns or label_col is None:
             raise DatasetError(
@@ -272,7 +347,7 @@ class ManifestSource:
         """(spec, rows or None where unknown before a survey) of ranges of about `rows_per_range` rows:
         ("groups", first, end) row groups, from the footer alone, or ("bytes", start, end) of a CSV."""
         if not self.parquet:
-            return [(("bytes", a, b), None) for a, b in self._csv_spans(rows_per_range * CSV_ROW_BYTES)]
+            return [(("bytes", a, b), None) for a, b in self.csv.spans(rows_per_range * CSV_ROW_BYTES)]
         meta = self._parquet_file().metadata
         out, start, rows = [], 0, 0
         for g in range(meta.num_row_groups):
@@ -281,25 +356,6 @@ class ManifestSource:
                 out.append((("groups", start, g + 1), rows))
                 start, rows = g + 1, 0
         return [r for r in out if r[1]]
-
-    def _csv_spans(self, span_bytes: int) -> list[tuple[int, int]]:
-        """Byte spans of whole lines after the header, each about `span_bytes` long. Reads a line's worth
-        at each cut: O(spans) bytes, never the rows."""
-        size = os.path.getsize(self.path)
-        with open(self.path, "rb") as f:
-            header_end = 0  # after the header: the first line that is not blank, as the reader finds it
-            for line in iter(f.readline, b""):
-                header_end += len(line)
-                if line.strip():
-                    break
-            cuts = [header_end]
-            while cuts[-1] + span_bytes < size:
-                cut = next_line_start(f, cuts[-1] + span_bytes, size)
-                if cut >= size:
-                    break
-                cuts.append(cut)
-        cuts.append(size)
-        return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
 
     def survey(self, spec: tuple, tally: bool) -> Survey:
         """A range's rows and, with `tally`, its label (and box label) tallies."""
@@ -330,40 +386,10 @@ class ManifestSource:
         try:
             if self.parquet:
                 return list(pq.ParquetFile(self.path).schema_arrow.names)
-            return list(self._csv_reader(None, skipped=[]).schema.names)  # the header, whatever the lines
+            self.csv = CsvTable(self.path, self._open)
+            return self.csv.names
         except (pa.ArrowInvalid, OSError) as exc:
             raise DatasetError(f"{self.path}: not a readable Parquet or CSV manifest ({exc})") from None
-
-    def _csv_reader(self, columns: list[str] | None, span_stream=None, skipped: list | None = None):
-        """The whole CSV, or the lines of `span_stream` (a span of it, read with the header's names).
-        `skipped`: where the lines with a wrong number of fields go (pyarrow's InvalidRow), the reader
-        going on past them; on one thread, so that each carries its line number."""
-        delimiter = "\t" if self.path.suffix.lower() == ".tsv" else ","
-        convert = pacsv.ConvertOptions(
-            include_columns=columns,
-            # Everything as text: the label column's type must not depend on the first block's values.
-            column_types={c: pa.string() for c in (columns or [])},
-        )
-        read = pacsv.ReadOptions(block_size=1 << 22, use_threads=skipped is None)
-        source = self.path
-        if span_stream is not None:
-            read = pacsv.ReadOptions(
-                block_size=1 << 22, column_names=self._names, use_threads=skipped is None
-            )
-            source = span_stream
-
-        def skip(row) -> str:
-            skipped.append(row)
-            return "skip"
-
-        return pacsv.open_csv(
-            source,
-            read_options=read,
-            parse_options=pacsv.ParseOptions(
-                delimiter=delimiter, invalid_row_handler=None if skipped is None else skip
-            ),
-            convert_options=convert,
-        )
 
     def _batches(self, columns: list[str], spec: tuple | None = None) -> Iterator[dict[str, list]]:
         """Batches of `columns`: the whole manifest, or one range's ("groups", a, b) / ("bytes", a, b)."""
@@ -379,14 +405,7 @@ class ManifestSource:
                         )
                     )
                 return
-            skipped: list = []
-            if spec is None:
-                reader = self._csv_reader(columns, skipped=skipped)
-                yield from _with_malformed((b.to_pydict() for b in reader), skipped, header=1)
-                return
-            with io.BufferedReader(_Span(self._open(), spec[1], spec[2]), 1 << 20) as stream:
-                reader = self._csv_reader(columns, stream, skipped)
-                yield from _with_malformed((b.to_pydict() for b in reader), skipped, header=0)
+            yield from self.csv.batches(columns, None if spec is None else (spec[1], spec[2]))
         except pa.ArrowInvalid as exc:
             at = "" if spec is None or self.parquet else f", in bytes {spec[1]}-{spec[2]}"
             raise DatasetError(f"{self.path}: cannot read the manifest ({exc}{at})") from None
