@@ -10,11 +10,17 @@ spans (cut at line starts), a class folder's runs of class folders (on a disk or
    are inferred, not given by --classes): each range's rows (per class folder for a folder) and distinct
    label values; the driver merges the tallies into the label space (memory: the class names), numbers the
    ranges' rows and lets the source regroup them (class folders into runs of about RANGE_ROWS files).
+   A flat folder's labels file (CSV) is surveyed too, in byte spans: its lines and label values.
+1b. partition (a source with a labels file, `label_spans`): each span of the labels file sends its (name,
+   label) rows to the range that lists the name (`range_finder`: O(ranges) boundaries) and writes
+   `plan_labels_S.parquet`, one row group per range, and its malformed lines to
+   `plan_labels_S.errors.parquet`: the join of files and labels, by range, with no row on the driver.
 2. list: each range (about RANGE_ROWS inputs) lists its inputs as the serial listing does (keys, labels,
-   splits, a stat per local file), places each key in the shard order
+   splits, a stat per local file; a flat folder's range reads its row group of each labels part), places each key in the shard order
    (`order_hash`) and writes its items to `.work/plan_range_R.parquet`, one row group per order bucket
    (buckets cut the 64-bit hash range into equal parts: bucket b holds hashes [b, b + 1) * 2^64 / B), and
-   its rejected rows to `plan_range_R.errors.parquet`.
+   its rejected rows to `plan_range_R.errors.parquet` (a labels file's names with no such file, which the
+   serial listing gives after every file, to `plan_range_R.unlisted.parquet`).
 3. sort: each bucket reads its row group from every range file, sorts by (hash, key, row), drops later
    duplicates of a key (error rows, `plan_bucket_B.errors.parquet`), and cuts each split's items into shards
    (--max-count, --max-size) into `plan_bucket_B.parquet`, split after split, in row groups of SLICE_ROWS.
@@ -30,7 +36,8 @@ bytes whatever the number of workers or tasks.
 
 The driver holds O(ranges x buckets + shards) small numbers (and O(class folders) names): never an item.
 The listing's error rows reach errors.parquet as Arrow tables copied from the parts (`finish.py`), their
-reasons counted by the tasks.
+reasons counted by the tasks, in the serial listing's order: the labels file's malformed lines, each
+range's rejected rows, each range's unlisted names, then the duplicates.
 
 Resume: each part is published whole, then a JSON marker naming the plan's fingerprint (the source's
 identity, every range's rows and every option that moves an item); a part whose marker matches is not redone, so a killed build
@@ -56,7 +63,7 @@ from data_prep.keys import order_hash, split_for
 from data_prep.layout import WORK, DatasetError
 from data_prep.plan import _boxes_list, cut_shards, sample_bytes, shard_task
 from data_prep.shard_worker import ShardJob, ShardResult, write_planned_shard
-from data_prep.sources import Item, ListingError, RangedSource, Survey
+from data_prep.sources import Item, ListingError, RangedSource, Survey, Unlisted
 from data_prep.sources.labels import LabelTally
 from data_prep.tario import archive_bytes
 
@@ -96,6 +103,7 @@ class Range:
     spec: tuple  # the source's own description: ("groups", a, b), ("bytes", a, b), ("folders", names...)
     first_row: int  # 0-based, in the whole listing
     rows: int
+    labels: tuple[tuple[int, int], ...] | None = None  # (labels part, row group) of its labels rows, if any
 
 
 @dataclass(frozen=True)
@@ -124,6 +132,7 @@ class Plan:
     seed: int
     buckets: int
     fingerprint: str = ""
+    finder: object = None  # the source's `range_finder`: which range lists a labels row (1b)
 
     @cached_property
     def out(self) -> DatasetDir:
@@ -149,9 +158,28 @@ def bucket_rel(index: int, suffix: str) -> str:
     return f"{PLAN}_bucket_{index:05d}.{suffix}"
 
 
+def labels_rel(index: int, suffix: str) -> str:
+    return f"{PLAN}_labels_{index:06d}.{suffix}"
+
+
 def _write_parquet(out: DatasetDir, rel: str, table: pa.Table, row_group_rows: int) -> None:
     with out.writing(rel) as tmp:
         pq.write_table(table, tmp, row_group_size=max(1, row_group_rows))
+
+
+def _write_grouped(out: DatasetDir, rel: str, table: pa.Table, column: str) -> list[list[int]]:
+    """`table`, sorted by `column`, as one row group per value present (a task reads only its own);
+    returns [value, row group] of each."""
+    groups: list[list[int]] = []
+    with out.writing(rel) as tmp, pq.ParquetWriter(tmp, table.schema) as w:
+        values = table.column(column).to_numpy()
+        start = 0
+        while start < len(values):
+            end = int(values.searchsorted(values[start], side="right"))
+            w.write_table(table.slice(start, end - start), row_group_size=end - start)
+            groups.append([int(values[start]), len(groups)])
+            start = end
+    return groups
 
 
 # 1. survey
@@ -168,6 +196,65 @@ def survey_range(task: SurveyTask, plan: Plan) -> tuple[int, Survey]:
     return task.index, plan.source.survey(task.spec, task.tally)
 
 
+# 1b. partition
+
+
+LABELS_SCHEMA = pa.schema(
+    [("range", pa.int32()), ("line", pa.int64()), ("name", pa.string()), ("label", pa.string())]
+)
+
+
+@dataclass(frozen=True)
+class LabelsTask:
+    index: int
+    spec: tuple  # a span of the labels file
+    first_line: int  # lines before it
+
+
+def partition_labels(task: LabelsTask, plan: Plan) -> dict:
+    """One span of a labels file, its rows sent to the ranges that list their names; returns (and stores)
+    its marker: lines, error rows and, per range with rows, its row group in the part."""
+    rel = labels_rel(task.index, "json")
+    done = plan.marker(rel)
+    if done is not None:
+        return done
+    cols: dict[str, list] = {name: [] for name in LABELS_SCHEMA.names}
+    errors: list[tuple[str, str, str]] = []
+    line = task.first_line
+    for row in plan.source.label_rows(task.spec, task.first_line):
+        line += 1
+        if isinstance(row, ListingError):
+            errors.append((row.key, row.source, row.reason))
+            continue
+        cols["range"].append(plan.finder(row[0]))
+        cols["line"].append(line)
+        cols["name"].append(row[0])
+        cols["label"].append(row[1])
+    table = pa.table(cols, schema=LABELS_SCHEMA)
+    table = table.take(pc.sort_indices(table, [("range", "ascending"), ("line", "ascending")]))
+    groups = _write_grouped(plan.out, labels_rel(task.index, "parquet"), table, "range")
+    if errors:
+        _write_parquet(plan.out, labels_rel(task.index, "errors.parquet"), _errors_table(errors), 65_536)
+    marker = {
+        "plan": plan.fingerprint,
+        "index": task.index,
+        "lines": line - task.first_line,
+        "errors": len(errors),
+        "reasons": count_reasons((reason for _, _, reason in errors), {}),
+        "groups": groups,
+    }
+    plan.out.write_bytes(rel, json.dumps(marker).encode())  # last: the span is done
+    return marker
+
+
+def _range_labels(rng: Range, plan: Plan) -> Iterator[tuple[str, str]]:
+    """(name, label) of the labels rows a range lists, in line order: its row group of each part."""
+    for part, group in rng.labels:
+        with plan.out.open_file(labels_rel(part, "parquet")) as f:
+            table = pq.ParquetFile(f).read_row_group(group, columns=["name", "label"])
+        yield from zip(table.column("name").to_pylist(), table.column("label").to_pylist())
+
+
 # 2. list
 
 
@@ -182,8 +269,13 @@ def list_range(rng: Range, plan: Plan) -> dict:
     cols: dict[str, list] = {name: [] for name in ITEM_SCHEMA.names}
     tables: list[pa.Table] = []  # the range's items in Arrow, BATCH_ROWS at a time (not as Python objects)
     errors: list[tuple[str, str, str]] = []
+    unlisted: list[tuple[str, str, str]] = []  # not rows of the range: they come after every range's errors
     row = rng.first_row
-    for entry in src.list_rows(rng.spec, rng.first_row):
+    labels = None if rng.labels is None else _range_labels(rng, plan)
+    for entry in src.list_rows(rng.spec, rng.first_row, labels):
+        if isinstance(entry, Unlisted):
+            unlisted.append((entry.key, entry.source, entry.reason))
+            continue
         row += 1
         if isinstance(entry, ListingError):
             errors.append((entry.key, entry.source, entry.reason))
@@ -209,24 +301,19 @@ def list_range(rng: Range, plan: Plan) -> dict:
         )
     table = pa.concat_tables([*tables, pa.table(cols, schema=ITEM_SCHEMA)])
     table = table.take(pc.sort_indices(table, [("bucket", "ascending"), ("row", "ascending")]))
-    groups: list[list[int]] = []
-    with plan.out.writing(range_rel(rng.index, "parquet")) as tmp, pq.ParquetWriter(tmp, ITEM_SCHEMA) as w:
-        buckets = table.column("bucket").to_numpy()
-        start = 0
-        while start < len(buckets):  # one row group per bucket present: a sort task reads only its own
-            end = int(buckets.searchsorted(buckets[start], side="right"))
-            w.write_table(table.slice(start, end - start), row_group_size=end - start)
-            groups.append([int(buckets[start]), len(groups)])
-            start = end
+    groups = _write_grouped(plan.out, range_rel(rng.index, "parquet"), table, "bucket")
     if errors:
         _write_parquet(plan.out, range_rel(rng.index, "errors.parquet"), _errors_table(errors), 65_536)
+    if unlisted:
+        _write_parquet(plan.out, range_rel(rng.index, "unlisted.parquet"), _errors_table(unlisted), 65_536)
     marker = {
         "plan": plan.fingerprint,
         "index": rng.index,
         "rows": rng.rows,
         "items": table.num_rows,
         "errors": len(errors),
-        "reasons": count_reasons((reason for _, _, reason in errors), {}),
+        "unlisted": len(unlisted),
+        "reasons": count_reasons((reason for _, _, reason in [*errors, *unlisted]), {}),
         "groups": groups,
     }
     plan.out.write_bytes(rel, json.dumps(marker).encode())  # last: the range is done
@@ -363,6 +450,7 @@ class RangedPlanner:
     num_inputs: int = 0
     range_markers: dict[int, dict] = field(default_factory=dict)
     bucket_markers: dict[int, dict] = field(default_factory=dict)
+    labels_markers: dict[int, dict] = field(default_factory=dict)
 
     @classmethod
     def make(
@@ -407,10 +495,16 @@ class RangedPlanner:
             specs = src.regroup([(spec, found[i]) for i, (spec, _) in enumerate(specs)], RANGE_ROWS)
         first = 0
         for spec, rows in specs:
-            if rows:
+            if rows or len(specs) == 1:  # an empty one alone: a flat folder's labels without files
                 self.ranges.append(Range(len(self.ranges), spec, first, rows))
                 first += rows
-        self.plan = replace(self.plan, buckets=max(1, math.ceil(first / BUCKET_ROWS)))
+        finder = None
+        if self.label_spans():
+            finder = src.range_finder([r.spec for r in self.ranges])
+        self.plan = replace(self.plan, buckets=max(1, math.ceil(first / BUCKET_ROWS)), finder=finder)
+
+    def label_spans(self) -> list[tuple[tuple, int]]:
+        return getattr(self.plan.source, "label_spans", list)()
 
     def seal(self) -> None:
         """Fix the plan's fingerprint once the label spaces are known (they change the items' labels)."""
@@ -419,6 +513,7 @@ class RangedPlanner:
             "job": p.job_fingerprint,
             "source": src.identity(),
             "ranges": [(r.spec, r.rows) for r in self.ranges],
+            "labels": self.label_spans(),
             "buckets": p.buckets,
             "options": [p.name, p.max_count, p.max_size, p.val_fraction, p.seed, src.split_salt],
             "classes": src.classes,
@@ -428,11 +523,23 @@ class RangedPlanner:
         self.plan = replace(self.plan, fingerprint=digest)
 
     def list(self, executor, on_range=None) -> None:
-        for marker in executor.map(list_range, self.ranges, self.plan):
+        ranges = self.ranges
+        spans = self.label_spans()
+        if spans:  # 1b: the labels rows partitioned by range, then each range told where its rows are
+            tasks = (LabelsTask(i, spec, first) for i, (spec, first) in enumerate(spans))
+            parts: dict[int, list[tuple[int, int]]] = {}
+            for marker in executor.map(partition_labels, tasks, self.plan):
+                self.labels_markers[marker["index"]] = marker
+            for s in sorted(self.labels_markers):
+                for r, group in self.labels_markers[s]["groups"]:
+                    parts.setdefault(r, []).append((s, group))
+            ranges = [replace(r, labels=tuple(parts.get(r.index, ()))) for r in ranges]
+        for marker in executor.map(list_range, ranges, self.plan):
             self.range_markers[marker["index"]] = marker
             if on_range is not None:
                 on_range(marker["rows"])
-        self.num_inputs = sum(m["rows"] for m in self.range_markers.values())
+        self.num_inputs = sum(m["rows"] + m.get("unlisted", 0) for m in self.range_markers.values())
+        self.num_inputs += sum(m["errors"] for m in self.labels_markers.values())
 
     def sort(self, executor) -> None:
         parts: dict[int, list[tuple[int, int]]] = {}
@@ -460,11 +567,22 @@ class RangedPlanner:
 
     def error_tables(self) -> Iterator[pa.Table]:
         """The listing's rejected rows (LISTING_SCHEMA), in the serial planner's order: each range's (listing
-        order), then the duplicates (shard order); read by Arrow from the parts, never as Python rows."""
+        order), then the duplicates (shard order); read by Arrow from the parts, never as Python rows. A
+        labels file's malformed lines come first, and its names with no such file after every range's."""
         parts = [
+            labels_rel(s, "errors.parquet")
+            for s in sorted(self.labels_markers)
+            if self.labels_markers[s]["errors"]
+        ]
+        parts += [
             range_rel(r, "errors.parquet")
             for r in sorted(self.range_markers)
             if self.range_markers[r]["errors"]
+        ]
+        parts += [
+            range_rel(r, "unlisted.parquet")
+            for r in sorted(self.range_markers)
+            if self.range_markers[r].get("unlisted")
         ]
         parts += [
             bucket_rel(b, "errors.parquet")
@@ -476,7 +594,8 @@ class RangedPlanner:
     def error_reasons(self) -> dict[str, int]:
         """Rejected rows per kind of reason, as the tasks counted them."""
         counts: dict[str, int] = {}
-        for m in [*self.range_markers.values(), *self.bucket_markers.values()]:
+        markers = [*self.labels_markers.values(), *self.range_markers.values(), *self.bucket_markers.values()]
+        for m in markers:
             for kind, n in m["reasons"].items():
                 counts[kind] = counts.get(kind, 0) + n
         return counts
@@ -486,8 +605,11 @@ class RangedPlanner:
         out = self.plan.out
         out.delete(MANIFEST_COPY)
         for r in self.range_markers:
-            for suffix in ("parquet", "errors.parquet", "json"):
+            for suffix in ("parquet", "errors.parquet", "unlisted.parquet", "json"):
                 out.delete(range_rel(r, suffix))
+        for s in self.labels_markers:
+            for suffix in ("parquet", "errors.parquet", "json"):
+                out.delete(labels_rel(s, suffix))
         for b in self.bucket_markers:
             for suffix in ("parquet", "errors.parquet", "json"):
                 out.delete(bucket_rel(b, suffix))

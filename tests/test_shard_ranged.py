@@ -22,6 +22,7 @@ from PIL import Image
 from data_prep import build as build_module
 from data_prep import finish, ranged
 from data_prep.build import BuildOptions, build_dataset
+from data_prep.dataset_dir import DatasetDir
 from data_prep.layout import DatasetError, read_manifest
 from data_prep.sources import folder as folder_module
 from data_prep.sources import table as table_module
@@ -282,8 +283,6 @@ def test_a_node_without_the_manifest_on_its_disk_reads_the_copy_in_the_bucket(in
     disk lacks the manifest's path reads the tally and the rows from that copy, the same ones."""
     import shutil
 
-    from data_prep.dataset_dir import DatasetDir
-
     parquet, _ = inputs
     local = tmp_path / "manifest.parquet"
     shutil.copy(parquet, local)
@@ -439,7 +438,6 @@ def test_a_folder_that_changes_while_it_is_planned_is_refused(class_folder, tmp_
     stops naming the folder and the range rather than numbering rows wrongly."""
     import shutil
 
-    from data_prep.dataset_dir import DatasetDir
     from data_prep.executors import Executor
 
     root = tmp_path / "imgs"
@@ -545,3 +543,180 @@ def test_blank_lines_before_a_csv_header_number_the_rows_alike(inputs, tmp_path,
     same_dataset(tmp_path / "serial", tmp_path / "ranged")
     sources = [e["source"] for e in pq.read_table(tmp_path / "ranged" / "errors.parquet").to_pylist()]
     assert "blank_first.csv row 6" in sources  # the row without a path, as numbered in the manifest
+
+
+@pytest.fixture(scope="module")
+def flat_folder(tmp_path_factory) -> Path:
+    """A flat folder (labels from a file): 4 files directly in it, then top-level folders b (with b/deep), d,
+    f and h, with an empty file, a duplicate key (f/dup.png and f/dup.jpg) and hidden entries."""
+    root = tmp_path_factory.mktemp("flat") / "photos"
+    rng = np.random.default_rng(2)
+    names = [f"r{i}.png" for i in range(4)] + [f"b/img{i}.png" for i in range(5)]
+    names += ["b/deep/x0.png", "b/deep/x1.png"] + [f"d/p{i}.png" for i in range(4)]
+    names += ["f/a.png", "f/dup.png", "f/dup.jpg"] + [f"h/u{i}.png" for i in range(6)]
+    for j, name in enumerate(names):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        img = Image.fromarray(rng.integers(0, 255, (20 + j % 3, 24, 3), dtype=np.uint8))
+        img.save(root / name, format="PNG")
+    (root / "d" / "empty.png").write_bytes(b"")
+    (root / ".cache").mkdir()
+    (root / ".cache" / "x.png").write_bytes((root / "r0.png").read_bytes())
+    (root / "d" / ".DS_Store").write_bytes(b"x")
+    return root
+
+
+def flat_labels(root: Path, multi: bool) -> Path:
+    """labels.csv inside the folder (not an input), its rows shuffled so that every span holds rows of many
+    ranges: a label for most files ("b/img0.png" twice: the last row, the file's last line, counts), none for h/u0.png and
+    b/img1.png (its line has a field too many: an error row), an empty label (d/p3.png), a line without a
+    file name, and names with no such file: beside the folders (gone.png), under folders that do not exist
+    (aa/, c/ between b and d, zz/ after h) and in d."""
+    files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+    files = [f for f in files if not f.startswith(".") and "/." not in f and f != "labels.csv"]
+    classes = ["cat", "dog", "bird"]
+    rows = []
+    for i, name in enumerate(files):
+        if name in ("h/u0.png", "b/img1.png"):
+            continue
+        label = "" if name == "d/p3.png" else classes[i % 3]
+        if multi and label:
+            label = f"{label}|{classes[(i + 1) % 3]}" if i % 2 else f'"[""{label}""]"'
+        rows.append(f"{name},{label}")
+    rows += ["gone.png,cat", "aa/x.png,dog", "c/x.png,cat", "d/none.png,bird", "zz/x.png,dog"]
+    order = np.random.default_rng(3).permutation(len(rows))
+    lines = [rows[i] for i in order] + ["b/img0.png,cat|dog" if multi else "b/img0.png,cat"]
+    if multi:
+        lines += ["f/a.png,[oops"]  # the last row for f/a.png: not a JSON list, an error row for the file
+    lines.insert(3, "b/img1.png,cat,extra")
+    lines.insert(7, ",dog")
+    path = root / "labels.csv"
+    path.write_text(("file,labels\n" if multi else "file,label\n") + "\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("multi", [False, True], ids=["label", "labels"])
+def test_a_flat_folder_with_a_labels_file_is_planned_in_ranges_as_the_serial_planner_plans_it(
+    flat_folder, tmp_path, monkeypatch, multi
+):
+    """The labels file joined to the files by range tasks, never read on the driver: the serial planner's
+    dataset (same bytes, index, errors in the same order, manifest with the inferred classes), with spans
+    of a line or two and ranges of about 5 files; with 3 buckets, the same bytes with 1 or 2 workers and
+    other ranges and spans. A build that dies listing resumes without partitioning the labels again."""
+    from data_prep.executors import Executor
+
+    labels = flat_labels(flat_folder, multi)
+    monkeypatch.setattr(ranged, "RANGE_ROWS", 5)
+    monkeypatch.setattr(folder_module, "SURVEY_FOLDERS", 2)
+    monkeypatch.setattr(folder_module, "CSV_ROW_BYTES", 3)  # spans of about 15 bytes: a line or two
+
+    def flat_build(out: Path, **opts):
+        return build(None, out, source=FolderSource(flat_folder, labels), max_count=6, **opts)
+
+    serial = flat_build(tmp_path / "serial", serial=True)
+    specs = []  # every read of the labels file: a span, never the whole file on the driver
+    real_read = FolderSource._label_batches
+    monkeypatch.setattr(
+        FolderSource,
+        "_label_batches",
+        lambda self, columns, spec: specs.append(spec) or real_read(self, columns, spec),
+    )
+    report = flat_build(tmp_path / "ranged")
+    same_dataset(tmp_path / "ranged", tmp_path / "serial")
+    assert specs and None not in specs and len(specs) > 10
+    assert report.num_inputs == serial.num_inputs == 4 + 7 + 5 + 3 + 6 + 2 + 5  # files, bad lines, unlisted
+    expected = {"malformed CSV line": 1, "no file name": 1, "no label in": 2, "empty file": 1}
+    expected |= {"duplicate key": 1, "listed in but no such file": 5}
+    # d/p3.png's empty label: no label; with labels, no class (f/a.png's last row is not a list)
+    expected |= {"labels are not a JSON list": 1} if multi else {"no label": 1}
+    assert report.reasons == expected, report.reasons
+    errors = pq.read_table(tmp_path / "ranged" / "errors.parquet").to_pylist()
+    assert [e["source"] for e in errors[:2]] == ["labels.csv row 4", "labels.csv row 8"]
+    unlisted = [e["key"] for e in errors if "but no such file" in e["reason"]]
+    assert unlisted == ["gone", "aa/x", "c/x", "d/none", "zz/x"]  # after every file, in the listing's order
+    assert errors[-1]["reason"].startswith("duplicate key 'f/dup'")
+    index = {r["key"]: r for r in pq.read_table(tmp_path / "ranged" / "index.parquet").to_pylist()}
+    classes = read_manifest(tmp_path / "ranged").classes
+    assert classes == ["bird", "cat", "dog"]  # tallied from the spans
+    img0 = index["b/img0"]["labels" if multi else "label"]
+    assert img0 == ([1, 2] if multi else 1)  # its last row: cat (and dog), not its first (bird)
+    planner = ranged.RangedPlanner.make(
+        FolderSource(flat_folder, labels), DatasetDir(tmp_path / "plan"), "", "job", BuildOptions()
+    )
+    with Executor() as executor:
+        planner.survey(executor)
+    assert [r.spec for r in planner.ranges] == [
+        ("folders", ".", "b"),
+        ("folders", "d"),
+        ("folders", "f", "h"),
+    ]
+    finder = planner.plan.finder  # a name goes to the range whose run of folders its folder falls in
+    assert [finder(n) for n in ("gone.png", "aa/x.png", "c/x.png", "d/p0.png", "e/x", "zz/x.png")] == [
+        0,
+        0,
+        0,
+        1,
+        1,
+        2,
+    ]
+
+    monkeypatch.setattr(ranged, "BUCKET_ROWS", 10)  # 3 buckets
+    real_list, calls = ranged.list_range, {"partition": 0, "list": 0}
+    real_partition = ranged.partition_labels
+
+    def partition(task, plan):
+        calls["partition"] += plan.marker(ranged.labels_rel(task.index, "json")) is None
+        return real_partition(task, plan)
+
+    def dies_at_third(rng, plan):
+        calls["list"] += 1
+        if calls["list"] == 3:
+            raise OSError("node lost")
+        return real_list(rng, plan)
+
+    monkeypatch.setattr(ranged, "partition_labels", partition)
+    monkeypatch.setattr(ranged, "list_range", dies_at_third)
+    with pytest.raises(OSError, match="node lost"):
+        flat_build(tmp_path / "a")
+    assert calls["partition"] > 10
+    calls["partition"] = 0
+    flat_build(tmp_path / "a")
+    assert calls["partition"] == 0  # every span's part was kept
+    monkeypatch.setattr(ranged, "partition_labels", real_partition)  # worker processes import their own
+    monkeypatch.setattr(ranged, "list_range", real_list)
+    monkeypatch.setattr(ranged, "RANGE_ROWS", 12)
+    monkeypatch.setattr(folder_module, "CSV_ROW_BYTES", 40)
+    flat_build(tmp_path / "b", workers=2)
+    assert shard_bytes(tmp_path / "a") == shard_bytes(tmp_path / "b")
+    for split in ("train", "val"):
+        assert keys_in_order(tmp_path / "a", split) == keys_in_order(tmp_path / "serial", split), split
+    assert not list((tmp_path / "a" / ".work").glob("plan_*"))
+
+
+def test_a_flat_folders_names_with_no_file_are_error_rows_even_without_files(tmp_path):
+    """A flat folder holding only its labels file: one empty range lists its names as error rows, as the
+    serial listing does; a JSON labels file is read whole and listed serially."""
+    from data_prep.executors import Executor
+
+    root = tmp_path / "empty"
+    root.mkdir()
+    (root / "labels.csv").write_text("file,label\nz.png,cat\na/b.png,dog\n")
+    source = FolderSource(root, root / "labels.csv")
+    planner = ranged.RangedPlanner.make(source, DatasetDir(tmp_path / "out", None), "", "job", BuildOptions())
+    with Executor() as executor:
+        planner.survey(executor)
+        planner.seal()
+        planner.list(executor)
+    assert [r.rows for r in planner.ranges] == [0] and planner.num_inputs == 2
+    rows = pa.concat_tables(planner.error_tables()).to_pylist()
+    assert rows == [
+        {"key": k, "source": str(root / n), "reason": f"listed in {root / 'labels.csv'} but no such file"}
+        for k, n in (("z", "z.png"), ("a/b", "a/b.png"))
+    ]
+    assert [(e.key, e.reason) for e in FolderSource(root, root / "labels.csv").listing()] == [
+        (r["key"], r["reason"]) for r in rows
+    ]
+    (root / "labels.json").write_text('{"z.png": "cat", "a/b.png": "dog"}')
+    json_source = FolderSource(root, root / "labels.json")
+    assert not ranged.supports(json_source) and json_source.classes == ["cat", "dog"]
+    listed = [(e.key, e.reason.split(" in ")[0]) for e in json_source.listing()]
+    assert listed == [("labels", "no label"), ("z", "listed"), ("a/b", "listed")]  # labels.csv: a file now

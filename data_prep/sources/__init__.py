@@ -43,6 +43,12 @@ class ListingError:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class Unlisted(ListingError):
+    """A name a labels file lists with no such file: an error row that is not a file of the range listing
+    it, so not numbered among its rows (a flat folder's range gives these after its files)."""
+
+
 @dataclass(frozen=True)
 class Survey:
     """What a survey task finds in one range of a ranged source (data_prep/ranged.py), before any listing."""
@@ -99,7 +105,11 @@ class RangedSource(Source, Protocol):
         """The ranges to list, from the surveyed ones: (spec, rows)."""
         ...
 
-    def list_rows(self, spec: tuple, first_row: int) -> Iterator[Item | ListingError]: ...
+    def list_rows(self, spec: tuple, first_row: int, labels=None) -> Iterator[Item | ListingError]:
+        """The listing of one range, whose first row is `first_row` (0-based). `labels`: where the source
+        has a labels file (`label_spans`), the (name, label) rows of it that fall in this range, in line
+        order (`range_finder`)."""
+        ...
 
     def labels_known(self) -> bool: ...
 

@@ -3,10 +3,16 @@ come from a CSV or JSON file mapping each file name (relative to DIR) to a label
 DIR may be a bucket prefix (s3://bucket/prefix, gs://...) in the class layout: its objects are read by the
 shard workers.
 
-A class folder is planned by range tasks (data_prep/ranged.py): survey tasks count the files of
-SURVEY_FOLDERS class folders each, the driver groups consecutive class folders into ranges of about a
-range's rows (O(folders) numbers), and each range task lists its folders. A flat folder with a labels file
-is listed on the driver (the labels file is read whole there): at scale, write it as a manifest.
+Both layouts on disk, and the class layout in a bucket, are planned by range tasks (data_prep/ranged.py):
+survey tasks count the files of SURVEY_FOLDERS top-level folders each, and the driver groups consecutive
+top-level folders into ranges of about a range's rows (O(folders) numbers); each range task lists its
+folders. A flat folder's CSV labels file is joined to the files by those ranges, never read on the driver:
+survey tasks read byte spans of it (tallying the label values where --classes is not given), partition
+tasks send each (name, label) row to the range of its top-level folder (`entry_of`), and each range task
+looks its files up in its own rows. A name the file lists with no such file is an error row after the
+range's files (`Unlisted`); a malformed labels line, one before any file. The ranges' order is the
+listing's: "." (the files directly in DIR) first, then the folders in name order (`entry_order`).
+A JSON labels file is one document: it is read whole, on the driver (at scale, write CSV).
 
 vitpipe shard folder ~/imagenet/train data/in1k --val-fraction 0.02
 vitpipe shard folder s3://corpus/train s3://corpus/shards --ray
@@ -15,42 +21,78 @@ vitpipe shard folder ~/photos data/photos --labels ~/photos/labels.csv
 
 from __future__ import annotations
 
-import csv
 import json
+from bisect import bisect_right
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+
+import pyarrow as pa
 
 from data_prep.keys import key_from_path
 from data_prep.layout import DatasetError
-from data_prep.sources import Item, ListingError, Survey
-from data_prep.sources.files import FileLoader, LocalTree, StoreTree, file_item, walk_files
-from data_prep.sources.labels import LabelSpace, UnknownLabel, parse_label_list
+from data_prep.sources import Item, ListingError, Survey, Unlisted
+from data_prep.sources.files import FileLoader, LocalTree, StoreTree, file_item
+from data_prep.sources.labels import LabelSpace, LabelTally, UnknownLabel, parse_label_list
+from data_prep.sources.table import CSV_ROW_BYTES, MALFORMED, CsvTable, _cells, _list_values
 from data_prep.storage import is_uri
 
 FILE_COLUMNS = ("file", "path", "filename", "name", "image")
-SURVEY_FOLDERS = 256  # class folders counted by one survey task
+SURVEY_FOLDERS = 256  # top-level folders counted by one survey task
 
 
-def read_labels_file(path: Path) -> tuple[dict[str, object], bool]:
+def entry_of(name: str) -> str:
+    """The top-level entry a file name (relative to DIR) is listed under: its first folder, or "." for a
+    file directly in DIR."""
+    head, sep, _ = name.partition("/")
+    return head if sep else "."
+
+
+def entry_order(entry: str) -> tuple[bool, str]:
+    """The listing's order of top-level entries (`LocalTree.entries`): ".", then the folders by name."""
+    return (entry != ".", entry)
+
+
+def _unlisted_order(name: str) -> tuple:
+    return (entry_order(entry_of(name)), name)
+
+
+@dataclass(frozen=True)
+class EntryRanges:
+    """Which range lists a file name: ranges are runs of top-level entries in `entry_order`, `starts` the
+    first entry of each. A name under an entry no range holds (no such folder, or an empty one) goes to
+    the range whose run it would fall in, so that its error row comes where the serial listing puts it."""
+
+    starts: tuple[str, ...]
+
+    def __call__(self, name: str) -> int:
+        return max(0, bisect_right(self.starts, entry_order(entry_of(name)), key=entry_order) - 1)
+
+
+def read_labels_json(path: Path) -> tuple[dict[str, object], bool]:
     """{relative file name: raw label or list}, and whether labels are lists (multi-label)."""
-    if not path.is_file():
-        raise DatasetError(f"{path}: no such labels file")
-    if path.suffix.lower() == ".json":
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DatasetError(f"{path}: not valid JSON ({exc})") from None
+    if isinstance(data, dict):
+        mapping = {str(k).replace("\\", "/"): v for k, v in data.items()}
+        return mapping, any(isinstance(v, list) for v in mapping.values())
+    if not isinstance(data, list):  # [{"file": ..., "label(s)": ...}, ...]
+        raise DatasetError(f"{path}: expected an object {{file name: label(s)}} or a list of rows")
+    file_col, label_col = _label_columns(path, set().union(*(r.keys() for r in data)) if data else set())
+    multi = label_col == "labels"
+    mapping = {}
+    for r in data:
         try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise DatasetError(f"{path}: not valid JSON ({exc})") from None
-        if isinstance(data, list):  # [{"file": ..., "label(s)": ...}, ...]
-            rows = data
-        elif isinstance(data, dict):
-            mapping = {str(k).replace("\\", "/"): v for k, v in data.items()}
-            return mapping, any(isinstance(v, list) for v in mapping.values())
-        else:
-            raise DatasetError(f"{path}: expected an object {{file name: label(s)}} or a list of rows")
-    else:
-        with open(path, newline="") as f:
-            rows = list(csv.DictReader(f))
-    columns = set().union(*(r.keys() for r in rows)) if rows else set()
+            raw = parse_label_list(r.get(label_col)) if multi else r.get(label_col)
+        except UnknownLabel as exc:
+            raise DatasetError(f"{path}: {r.get(file_col)!r}: {exc}") from None
+        mapping[str(r.get(file_col)).replace("\\", "/")] = raw
+    return mapping, multi
+
+
+def _label_columns(path: Path, columns) -> tuple[str, str]:
     file_col = next((c for c in FILE_COLUMNS if c in columns), None)
     label_col = "labels" if "labels" in columns else "label" if "label" in columns else None
     if file_col is None or label_col is None:
@@ -58,12 +100,7 @@ def read_labels_file(path: Path) -> tuple[dict[str, object], bool]:
             f"{path}: expected a file-name column ({', '.join(FILE_COLUMNS)}) and a 'label' or 'labels' "
             f"column; found: {', '.join(sorted(columns)) or 'no rows'}"
         )
-    multi = label_col == "labels"
-    mapping = {}
-    for r in rows:
-        name = str(r[file_col]).replace("\\", "/")
-        mapping[name] = parse_label_list(r[label_col]) if multi else r[label_col]
-    return mapping, multi
+    return file_col, label_col
 
 
 class FolderSource:
@@ -100,15 +137,12 @@ class FolderSource:
                 raise DatasetError(f"{root}: no such folder")
             self.tree = LocalTree(self.root)
             folders = sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
-        # The class layout is listed in ranges (one task per run of class folders); a labels file is read
-        # whole, here, so that layout is listed here too.
-        self.ranged = self.labels_file is None
-        if self.labels_file is not None:
-            self._mapping, self.multi_label = read_labels_file(self.labels_file)
-            values = (v for raw in self._mapping.values() for v in (raw if self.multi_label else [raw]))
-            self._space = LabelSpace.infer(values, classes)
-        else:
-            self._mapping, self.multi_label = {}, False
+        self._mapping: dict[str, object] | None = None  # a JSON labels file, read whole
+        self._csv: CsvTable | None = None  # a CSV one, read in spans
+        self._label_spans: list[tuple[tuple, int]] = []  # (("lines", a, b), rows before it): `regroup`
+        self._skip: str | None = None  # the labels file's name in DIR, where it is there: not an input
+        if self.labels_file is None:
+            self.multi_label = False
             if not folders:
                 raise DatasetError(
                     f"{root}: no class sub-folders (DIR/CLASS/IMAGE); for a flat folder give --labels FILE"
@@ -116,7 +150,38 @@ class FolderSource:
             self._space = LabelSpace(
                 list(classes) if classes is not None else folders, by_index=False, fixed=True
             )
-        self.classes = self._space.classes
+            self.ranged = True
+            return
+        if not self.labels_file.is_file():
+            raise DatasetError(f"{self.labels_file}: no such labels file")
+        if self.labels_file.is_relative_to(self.root):
+            self._skip = self.labels_file.relative_to(self.root).as_posix()
+        if self.labels_file.suffix.lower() == ".json":
+            self._mapping, self.multi_label = read_labels_json(self.labels_file)
+            values = (v for raw in self._mapping.values() for v in (raw if isinstance(raw, list) else [raw]))
+            self._space = LabelSpace.infer(values, classes)
+            self.ranged = False
+            return
+        try:
+            self._csv = CsvTable(self.labels_file)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise DatasetError(f"{self.labels_file}: not a readable CSV labels file ({exc})") from None
+        self._file_col, self._label_col = _label_columns(self.labels_file, set(self._csv.names))
+        self.multi_label = self._label_col == "labels"
+        # Inferred from the labels on first use (a serial pass), unless `set_label_spaces` gave it first: a
+        # ranged build tallies the file's spans in parallel.
+        self._space = LabelSpace.infer((), classes) if classes is not None else None
+        self.ranged = True
+
+    @property
+    def space(self) -> LabelSpace:
+        if self._space is None:
+            self._space = self._tally(None)[1].space()
+        return self._space
+
+    @property
+    def classes(self) -> list[str]:
+        return self.space.classes
 
     def describe(self) -> dict:
         return {"kind": self.kind, "multi_label": self.multi_label}
@@ -132,24 +197,15 @@ class FolderSource:
             for name in self.tree.entries():
                 yield from self._list_folder(name)
             return
-        skip = {self.labels_file}
-        seen: set[str] = set()
-        for rel in walk_files(self.root, skip):
-            name = rel.as_posix()
-            key = key_from_path(name)
-            path = self.root / rel
-            seen.add(name)
-            try:
-                labels = self._labels_of(name)
-            except UnknownLabel as exc:
-                yield ListingError(key, str(path), str(exc))
-                continue
-            yield file_item(path, key, labels)
-        # Names the labels file promises but the folder lacks: count them, the user asked for them.
-        for name in sorted(self._mapping.keys() - seen):
-            yield ListingError(
-                key_from_path(name), str(self.root / name), f"listed in {self.labels_file} but no such file"
-            )
+        mapping = self._mapping
+        if mapping is None:
+            mapping = {}
+            for row in self.label_rows(None, 0):
+                if isinstance(row, ListingError):
+                    yield row
+                else:
+                    mapping[row[0]] = row[1]
+        yield from self._list_flat(self.tree.entries(), mapping)
 
     def _list_folder(self, name: str) -> Iterator[Item | ListingError]:
         """The class layout's listing of one top-level entry ("." : the files beside the class folders)."""
@@ -165,41 +221,126 @@ class FolderSource:
                 continue
             yield self.tree.item(rel, entry, key, labels)
 
-    def _labels_of(self, name: str) -> tuple[int, ...]:
-        if name not in self._mapping:
-            raise UnknownLabel(f"no label in {self.labels_file}")
-        raw = self._mapping[name]
-        if self.multi_label:
-            return self._space.resolve_all(raw if isinstance(raw, list) else [raw])
-        return (self._space.resolve(raw),)
+    def _files(self, entry: str):
+        """(name, path) of the files of one top-level entry of a flat folder, but the labels file."""
+        return ((rel, path) for rel, path in self.tree.walk(entry) if rel != self._skip)
 
-    # Ranges (data_prep/ranged.py), for the class layout: runs of top-level entries in listing order.
+    def _list_flat(self, entries, mapping: dict[str, object]) -> Iterator[Item | ListingError]:
+        """A flat folder's listing of `entries`, each file looked up in `mapping`; then, as `Unlisted` error
+        rows, the names in `mapping` that are no file (in `_unlisted_order`)."""
+        seen: set[str] = set()
+        for entry in entries:
+            for name, path in self._files(entry):
+                seen.add(name)
+                key = key_from_path(name)
+                try:
+                    labels = self._labels_of(name, mapping)
+                except UnknownLabel as exc:
+                    yield ListingError(key, str(path), str(exc))
+                    continue
+                yield file_item(path, key, labels)
+        # Names the labels file promises but the folder lacks: count them, the user asked for them.
+        for name in sorted(mapping.keys() - seen, key=_unlisted_order):
+            yield Unlisted(
+                key_from_path(name), str(self.root / name), f"listed in {self.labels_file} but no such file"
+            )
+
+    def _labels_of(self, name: str, mapping: dict[str, object]) -> tuple[int, ...]:
+        if name not in mapping:
+            raise UnknownLabel(f"no label in {self.labels_file}")
+        raw = mapping[name]
+        if not self.multi_label:
+            return (self.space.resolve(raw),)
+        if isinstance(raw, list):
+            return self.space.resolve_all(raw)
+        return self.space.resolve_all([raw] if self._csv is None else parse_label_list(raw))
+
+    # A CSV labels file, read whole (spec None) or in byte spans (("lines", start, end)).
+
+    def label_rows(self, spec: tuple | None, first_line: int) -> Iterator[tuple[str, str] | ListingError]:
+        """(file name, raw label cell) of each line, or an error row for a line that is none (malformed, or
+        with no file name); `first_line`: the lines before the span (0-based)."""
+        line = first_line
+        where = self._csv.path.name
+        for batch in self._label_batches([self._file_col, self._label_col], spec):
+            bad = batch.get(MALFORMED)
+            n = len(bad) if bad is not None else len(batch[self._file_col])
+            names, cells = batch.get(self._file_col) or [None] * n, batch.get(self._label_col) or [None] * n
+            for i in range(n):
+                line += 1
+                if bad is not None and bad[i] is not None:
+                    yield ListingError("", f"{where} row {line}", bad[i])
+                    continue
+                name = (names[i] or "").strip().replace("\\", "/")
+                if not name:
+                    yield ListingError("", f"{where} row {line}", "no file name")
+                    continue
+                yield name, cells[i]
+
+    def _label_batches(self, columns: list[str], spec: tuple | None) -> Iterator[dict[str, list]]:
+        try:
+            yield from self._csv.batches(columns, None if spec is None else (spec[1], spec[2]))
+        except pa.ArrowInvalid as exc:
+            at = "" if spec is None else f", in bytes {spec[1]}-{spec[2]}"
+            raise DatasetError(f"{self.labels_file}: cannot read the labels file ({exc}{at})") from None
+
+    def _tally(self, spec: tuple | None) -> tuple[int, LabelTally]:
+        """The lines of the file (or of a span) and a tally of every label value in them."""
+        tally, rows = LabelTally(), 0
+        for batch in self._label_batches([self._label_col], spec):
+            rows += len(batch.get(MALFORMED) or batch[self._label_col])
+            cells = _cells(batch, self._label_col)
+            tally.add(_list_values(cells) if self.multi_label else cells)
+        return rows, tally
+
+    # Ranges (data_prep/ranged.py): runs of top-level entries in listing order; for a flat folder, the
+    # labels file's byte spans too, surveyed and partitioned by range before the listing.
 
     def identity(self) -> dict:
-        return {"folder": self.where}
+        if self._csv is None:
+            return {"folder": self.where}
+        st = self.labels_file.stat()
+        return {"folder": self.where, "labels": [str(self.labels_file), st.st_size, st.st_mtime_ns]}
 
     def labels_known(self) -> bool:
-        return True
+        return self._space is not None
 
     def set_label_spaces(self, labels, boxes) -> None:
-        pass
+        if self._space is None:
+            self._space = labels.space()
 
     def range_specs(self, rows_per_range: int) -> list[tuple[tuple, int | None]]:
-        """Survey ranges of SURVEY_FOLDERS top-level entries each (their files are not counted yet)."""
+        """Survey ranges of SURVEY_FOLDERS top-level entries each (their files are not counted yet), and a
+        labels file's spans (its lines not counted yet)."""
         names = self.tree.entries()
-        return [
+        specs = [
             (("folders", *names[i : i + SURVEY_FOLDERS]), None) for i in range(0, len(names), SURVEY_FOLDERS)
         ]
+        if self._csv is not None:
+            specs += [(("lines", a, b), None) for a, b in self._csv.spans(rows_per_range * CSV_ROW_BYTES)]
+        return specs
 
     def survey(self, spec: tuple, tally: bool) -> Survey:
-        counts = tuple(sum(1 for _ in self.tree.walk(name)) for name in spec[1:])
-        return Survey(sum(counts), units=counts)
+        if spec[0] == "lines":
+            rows, found = self._tally(spec)
+            return Survey(rows, found if tally else None)
+        if self._csv is None:
+            counts = tuple(sum(1 for _ in self.tree.walk(name)) for name in spec[1:])
+        else:
+            counts = tuple(sum(1 for _ in self._files(name)) for name in spec[1:])
+        return Survey(sum(counts), LabelTally() if tally else None, units=counts)
 
     def regroup(self, surveyed: list[tuple[tuple, Survey]], rows_per_range: int) -> list[tuple[tuple, int]]:
         """Consecutive non-empty entries grouped into ranges of at least `rows_per_range` files (one folder
-        larger than that is a range of its own)."""
-        out, names, rows = [], [], 0
+        larger than that is a range of its own); a labels file's spans numbered (`label_spans`). A flat
+        folder without files is one empty range: its labels file's names are still error rows."""
+        out, names, rows, lines = [], [], 0, 0
+        self._label_spans = []
         for spec, found in surveyed:
+            if spec[0] == "lines":
+                self._label_spans.append((spec, lines))
+                lines += found.rows
+                continue
             for name, n in zip(spec[1:], found.units):
                 if not n:
                     continue
@@ -210,8 +351,21 @@ class FolderSource:
                     names, rows = [], 0
         if names:
             out.append((("folders", *names), rows))
+        if self._csv is not None and not out:
+            out.append((("folders", "."), 0))
         return out
 
-    def list_rows(self, spec: tuple, first_row: int) -> Iterator[Item | ListingError]:
-        for name in spec[1:]:
-            yield from self._list_folder(name)
+    def label_spans(self) -> list[tuple[tuple, int]]:
+        """(span, lines before it) of a CSV labels file, once surveyed; none for the class layout."""
+        return self._label_spans
+
+    def range_finder(self, specs: list[tuple]) -> EntryRanges:
+        """Which of the ranges `specs` (in order) lists a file name: where a labels row goes."""
+        return EntryRanges(tuple(spec[1] for spec in specs))
+
+    def list_rows(self, spec: tuple, first_row: int, labels=None) -> Iterator[Item | ListingError]:
+        if self.labels_file is None:
+            for name in spec[1:]:
+                yield from self._list_folder(name)
+            return
+        yield from self._list_flat(spec[1:], dict(labels or ()))

@@ -376,8 +376,8 @@ class ManifestSource:
     def regroup(self, surveyed: list[tuple[tuple, Survey]], rows_per_range: int) -> list[tuple[tuple, int]]:
         return [(spec, s.rows) for spec, s in surveyed]
 
-    def list_rows(self, spec: tuple, first_row: int) -> Iterator[Item | ListingError]:
-        """The listing of one range, whose first row is `first_row` (0-based)."""
+    def list_rows(self, spec: tuple, first_row: int, labels=None) -> Iterator[Item | ListingError]:
+        """The listing of one range, whose first row is `first_row` (0-based); its labels are its own."""
         row = first_row
         for batch in self._batches(self.read_cols, spec):
             row = yield from self._rows(row, batch)

@@ -47,8 +47,8 @@ class DyingSource(ManifestSource):
         super().__init__(path)
         self.flags, self.key = flags, key
 
-    def list_rows(self, spec, first_row):
-        for i, entry in enumerate(super().list_rows(spec, first_row)):
+    def list_rows(self, spec, first_row, labels=None):
+        for i, entry in enumerate(super().list_rows(spec, first_row, labels)):
             if first_row > 0 and i == 5:  # the second range, halfway
                 die_once(Path(self.flags) / "list")
             yield entry
