@@ -219,6 +219,7 @@ def partition_labels(task: LabelsTask, plan: Plan) -> dict:
     if done is not None:
         return done
     cols: dict[str, list] = {name: [] for name in LABELS_SCHEMA.names}
+    tables: list[pa.Table] = []  # the span's rows in Arrow, BATCH_ROWS at a time
     errors: list[tuple[str, str, str]] = []
     line = task.first_line
     for row in plan.source.label_rows(task.spec, task.first_line):
@@ -230,7 +231,10 @@ def partition_labels(task: LabelsTask, plan: Plan) -> dict:
         cols["line"].append(line)
         cols["name"].append(row[0])
         cols["label"].append(row[1])
-    table = pa.table(cols, schema=LABELS_SCHEMA)
+        if len(cols["line"]) >= BATCH_ROWS:
+            tables.append(pa.table(cols, schema=LABELS_SCHEMA))
+            cols = {name: [] for name in LABELS_SCHEMA.names}
+    table = pa.concat_tables([*tables, pa.table(cols, schema=LABELS_SCHEMA)])
     table = table.take(pc.sort_indices(table, [("range", "ascending"), ("line", "ascending")]))
     groups = _write_grouped(plan.out, labels_rel(task.index, "parquet"), table, "range")
     if errors:
@@ -513,12 +517,13 @@ class RangedPlanner:
             "job": p.job_fingerprint,
             "source": src.identity(),
             "ranges": [(r.spec, r.rows) for r in self.ranges],
-            "labels": self.label_spans(),
             "buckets": p.buckets,
             "options": [p.name, p.max_count, p.max_size, p.val_fraction, p.seed, src.split_salt],
             "classes": src.classes,
             "detection_classes": getattr(src, "detection_classes", None),
         }
+        if self.label_spans():
+            parts["labels"] = self.label_spans()
         digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
         self.plan = replace(self.plan, fingerprint=digest)
 

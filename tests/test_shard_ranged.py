@@ -600,14 +600,15 @@ def test_a_flat_folder_with_a_labels_file_is_planned_in_ranges_as_the_serial_pla
 ):
     """The labels file joined to the files by range tasks, never read on the driver: the serial planner's
     dataset (same bytes, index, errors in the same order, manifest with the inferred classes), with spans
-    of a line or two and ranges of about 5 files; with 3 buckets, the same bytes with 1 or 2 workers and
+    of two or three lines and ranges of about 5 files; with 3 buckets, the same bytes with 1 or 2 workers and
     other ranges and spans. A build that dies listing resumes without partitioning the labels again."""
     from data_prep.executors import Executor
 
     labels = flat_labels(flat_folder, multi)
     monkeypatch.setattr(ranged, "RANGE_ROWS", 5)
     monkeypatch.setattr(folder_module, "SURVEY_FOLDERS", 2)
-    monkeypatch.setattr(folder_module, "CSV_ROW_BYTES", 3)  # spans of about 15 bytes: a line or two
+    monkeypatch.setattr(folder_module, "CSV_ROW_BYTES", 6)  # spans of about 30 bytes: two or three lines
+    monkeypatch.setattr(ranged, "BATCH_ROWS", 2)  # a task's rows reach Arrow in many batches
 
     def flat_build(out: Path, **opts):
         return build(None, out, source=FolderSource(flat_folder, labels), max_count=6, **opts)
