@@ -416,13 +416,33 @@ def write_folder(folder: Path, files: int) -> Path:
     return root
 
 
-def plan_child(manifest: str, out: str, workers: int, full: bool) -> None:
+def write_flat_labels(root: Path) -> Path:
+    """root/labels.csv for the folder `write_folder` made, read as a flat folder: a row per file (file, two
+    of 18,000 labels joined by '|'), in a shuffled order (a labels file is rarely in the listing's)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+
+    names = sorted(p.relative_to(root).as_posix() for p in root.glob("*/*.jpg"))
+    order = np.random.default_rng(0).permutation(len(names))
+    path = root / "labels.csv"
+    schema = pa.schema([("file", pa.string()), ("labels", pa.string())])
+    with pacsv.CSVWriter(path, schema) as w:
+        for start in range(0, len(names), 1 << 20):
+            idx = order[start : start + (1 << 20)]
+            labels = [f"c{i * 7 % 18_000}|c{i * 13 % 18_000}" for i in idx]
+            w.write_table(pa.table({"file": [names[i] for i in idx], "labels": labels}, schema=schema))
+    return path
+
+
+def plan_child(manifest: str, out: str, workers: int, full: bool, serial: bool = False) -> None:
     """In a process of its own (what `vitpipe shard manifest` runs): the whole build (`full`), or its
     planning alone (tally, list, sort, and every shard task generated, none written). Prints what the
-    driver (this process) and its worker processes spent."""
+    driver (this process) and its worker processes spent. A folder with a labels.csv is a flat folder;
+    `serial`: planned by the serial planner (`plan.py`), as a flat folder was before it was ranged."""
     import resource
 
-    from data_prep.build import BuildOptions, build_dataset, job_fingerprint
+    from data_prep.build import BuildOptions, _serial_planner, build_dataset, job_fingerprint
     from data_prep.dataset_dir import DatasetDir
     from data_prep.executors import Executor
     from data_prep.ranged import RangedPlanner
@@ -447,10 +467,21 @@ def plan_child(manifest: str, out: str, workers: int, full: bool) -> None:
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     t0 = time.perf_counter()
-    source = FolderSource(manifest) if Path(manifest).is_dir() else ManifestSource(manifest)
+    if not Path(manifest).is_dir():
+        source = ManifestSource(manifest)
+    else:
+        labels = Path(manifest) / "labels.csv"
+        source = FolderSource(manifest, labels if labels.is_file() else None)
     opts = BuildOptions(workers=workers, progress=False, max_count=1000)
     shards = images = 0
-    if full:
+    if serial:
+        root = DatasetDir(out)
+        root.make()
+        serial_planner = _serial_planner(root, source, opts, job_fingerprint(source, opts))
+        shards = sum(1 for _ in serial_planner.tasks())
+        images = serial_planner.total  # the items planned (none written)
+        planner = None
+    elif full:
         report = build_dataset(source, out, opts)
         shards, images = report.num_shards, report.num_written
         planner = None
@@ -488,13 +519,23 @@ def _vm_hwm_kb() -> int:
         return int(next(line for line in f if line.startswith("VmHWM:")).split()[1])
 
 
-def _run_child(manifest: Path, out: Path, workers: int, full: bool) -> dict:
+def _run_child(manifest: Path, out: Path, workers: int, full: bool, serial: bool = False) -> dict:
     cmd = [sys.executable, __file__, "--plan-child", str(manifest), str(out), str(workers)]
-    proc = subprocess.run([*cmd, *(["--full"] if full else [])], cwd=REPO, capture_output=True, text=True)
+    cmd += ["--full"] if full else []
+    cmd += ["--serial"] if serial else []
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     shutil.rmtree(out, ignore_errors=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _other_run(source: Path, tmp: Path) -> dict:
+    run = _run_child(source, tmp / "plan-out", 2, full=False)
+    run["rows"] = run["items"]
+    run["driver_cpu_share"] = round(run["driver_cpu_s"] / max(1e-9, run["workers_cpu_s"]), 4)
+    run["rows_per_s"] = round(run["rows"] / run["wall_s"])
+    return run
 
 
 def planning_rounds(tmp: Path, sizes: tuple[int, int], e2e_rows: int, repeats: int) -> dict:
@@ -518,20 +559,26 @@ def planning_rounds(tmp: Path, sizes: tuple[int, int], e2e_rows: int, repeats: i
         "driver_cpu_s": round(b["driver_cpu_s"] / a["driver_cpu_s"], 3),
         "rows": large / small,
     }
-    # The same at the large size from a CSV manifest (surveyed: its byte spans' rows are counted first), and
-    # a class folder of a tenth of it (listed with a stat per file, as ImageNet's layout).
-    other = {}
-    for kind, make in (
-        ("csv", lambda: write_manifest(tmp, large, csv=True)),
-        ("folder", lambda: write_folder(tmp, large // 10)),
-    ):
-        source = make()
-        run = _run_child(source, tmp / "plan-out", 2, full=False)
-        run["rows"] = run["items"]
-        run["driver_cpu_share"] = round(run["driver_cpu_s"] / max(1e-9, run["workers_cpu_s"]), 4)
-        run["rows_per_s"] = round(run["rows"] / run["wall_s"])
-        other[kind] = run
-        shutil.rmtree(source) if source.is_dir() else source.unlink()
+    # The same at the large size from a CSV manifest (surveyed: its byte spans' rows are counted first), a
+    # class folder of a tenth of it (listed with a stat per file, as ImageNet's layout), and the same files
+    # as a flat folder with a labels.csv (joined to the files by range; against the serial planner, which
+    # read the labels file whole on the driver).
+    other, baselines = {}, {}
+    csv = write_manifest(tmp, large, csv=True)
+    other["csv"] = _other_run(csv, tmp)
+    csv.unlink()
+    folder = write_folder(tmp, large // 10)
+    other["folder"] = _other_run(folder, tmp)
+    write_flat_labels(folder)
+    other["flat"] = _other_run(folder, tmp)
+    serial = _run_child(folder, tmp / "plan-out", 1, full=False, serial=True)
+    serial["rows"] = serial.pop("images")
+    baselines["flat_serial"] = serial
+    other["flat"]["driver_peak_rss_vs_serial"] = round(
+        other["flat"]["driver_peak_rss_mb"] / serial["driver_peak_rss_mb"], 3
+    )
+    other["flat"]["driver_cpu_s_vs_serial"] = round(other["flat"]["driver_cpu_s"] / serial["driver_cpu_s"], 4)
+    shutil.rmtree(folder)
     manifest = write_manifest(tmp, e2e_rows)
     rounds = []
     for _ in range(repeats):
@@ -553,6 +600,7 @@ def planning_rounds(tmp: Path, sizes: tuple[int, int], e2e_rows: int, repeats: i
         "planning": planning,
         "planning_growth": growth,
         "planning_other": other,
+        "planning_baselines": baselines,
         "end_to_end": {"rows": e2e_rows, "rounds": rounds},
         "goals": {
             "driver_peak_rss_mb_at_large": {
@@ -624,10 +672,11 @@ def main() -> None:
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--plan-child", nargs=3, metavar=("MANIFEST", "OUT", "WORKERS"), help=argparse.SUPPRESS)
     ap.add_argument("--full", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--serial", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.plan_child:
         manifest, out, workers = args.plan_child
-        plan_child(manifest, out, int(workers), args.full)
+        plan_child(manifest, out, int(workers), args.full, args.serial)
         return
     sections = [x for x in args.sections.split(",") if x]
     unknown = set(sections) - set(SECTIONS) - set(EXTRA_SECTIONS)
