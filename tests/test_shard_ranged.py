@@ -721,3 +721,13 @@ def test_a_flat_folders_names_with_no_file_are_error_rows_even_without_files(tmp
     assert not ranged.supports(json_source) and json_source.classes == ["cat", "dog"]
     listed = [(e.key, e.reason.split(" in ")[0]) for e in json_source.listing()]
     assert listed == [("labels", "no label"), ("z", "listed"), ("a/b", "listed")]  # labels.csv: a file now
+
+
+def test_a_csv_header_longer_than_the_first_read_is_read_whole(inputs, monkeypatch):
+    """The header is looked for in a small first block (the driver's memory); one that does not fit is
+    read with the default block, and the manifest lists the same."""
+    _, csv = inputs
+    whole = list(ManifestSource(csv).listing())
+    monkeypatch.setattr(table_module, "HEADER_BLOCK", 8)  # "path,lab": no whole line
+    source = ManifestSource(csv)
+    assert source.read_cols == ["path", "label", "split", "key"] and list(source.listing()) == whole

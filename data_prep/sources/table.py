@@ -40,6 +40,7 @@ BATCH_ROWS = 8192
 # A CSV manifest is cut into byte spans of about rows_per_range x CSV_ROW_BYTES (a path, a label and a key
 # make 40-100 bytes a row): 64 MiB for the 1M rows of a range task.
 CSV_ROW_BYTES = 64
+HEADER_BLOCK = 1 << 16  # bytes read first to find a CSV's header
 
 
 def _list_values(cells: list) -> Iterator:
@@ -165,7 +166,12 @@ class CsvTable:
     def __init__(self, path: Path, opener=None):
         self.path = path
         self._opener = opener
-        self.names = list(self.reader(None, skipped=[]).schema.names)  # the header, whatever the lines
+        # The header, whatever the lines, from a reader of one small block (the default one's first blocks,
+        # parsed, held about 45 MB more of a 1M-line file on the driver); a longer header, from the default.
+        try:
+            self.names = list(self.reader(None, skipped=[], block_size=HEADER_BLOCK).schema.names)
+        except pa.ArrowInvalid:
+            self.names = list(self.reader(None, skipped=[]).schema.names)
 
     def open(self):
         return open(self.path, "rb") if self._opener is None else self._opener()
@@ -189,7 +195,13 @@ class CsvTable:
         cuts.append(size)
         return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
 
-    def reader(self, columns: list[str] | None, span_stream=None, skipped: list | None = None):
+    def reader(
+        self,
+        columns: list[str] | None,
+        span_stream=None,
+        skipped: list | None = None,
+        block_size: int = 1 << 22,
+    ):
         """The whole file, or the lines of `span_stream` (a span of it, read with the header's names).
         `skipped`: where the lines with a wrong number of fields go (pyarrow's InvalidRow), the reader
         going on past them; on one thread, so that each carries its line number."""
@@ -199,10 +211,12 @@ class CsvTable:
             # Everything as text: a column's type must not depend on the first block's values.
             column_types={c: pa.string() for c in (columns or [])},
         )
-        read = pacsv.ReadOptions(block_size=1 << 22, use_threads=skipped is None)
+        read = pacsv.ReadOptions(block_size=block_size, use_threads=skipped is None)
         source = self.path
         if span_stream is not None:
-            read = pacsv.ReadOptions(block_size=1 << 22, column_names=self.names, use_threads=skipped is None)
+            read = pacsv.ReadOptions(
+                block_size=block_size, column_names=self.names, use_threads=skipped is None
+            )
             source = span_stream
 
         def skip(row) -> str:
