@@ -1,9 +1,9 @@
 """`vitpipe shard SOURCE ... OUT`: plan, write shards in parallel, then index, errors and manifest.
 
 1. Plan: list the source, assign every input to a shard; nothing is decoded yet. A manifest (Parquet or
-   CSV) and a class folder (on a disk or a bucket prefix) are planned by tasks on the same workers as the
-   shards (`ranged.py`: the driver never holds an item); the generated sources and a flat folder with a
-   labels file on this process (`plan.py`).
+   CSV), a class folder (on a disk or a bucket prefix) and a flat folder with a CSV labels file are
+   planned by tasks on the same workers as the shards (`ranged.py`: the driver never holds an item); the
+   generated sources and a flat folder with a JSON labels file on this process (`plan.py`).
 2. Write (`executors.py` -> `shard_worker.py`): whole shards, in this process, in worker processes
    or as Ray tasks; a shard already complete from an earlier run (same fingerprint, size, sha256) is
    skipped, so a killed run resumes where it stopped and ends with the same bytes.

@@ -276,7 +276,11 @@ def add_shard_parser(sub) -> argparse.ArgumentParser:
         "dir", help="input folder (DIR/CLASS/IMAGE), or a bucket prefix in that layout (s3://bucket/prefix)"
     )
     s.add_argument("out", help=OUT_HELP)
-    s.add_argument("--labels", help="CSV or JSON: file name (relative to DIR) -> label or list of labels")
+    s.add_argument(
+        "--labels",
+        help="CSV (columns file, label|labels; read by the workers in spans) or JSON (read whole): file name "
+        "(relative to DIR) -> label or list of labels",
+    )
     s.add_argument(
         "--classes", help="class names in order: a,b,c or a file (one per line); others are rejected"
     )

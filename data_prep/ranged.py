@@ -4,7 +4,8 @@ At JFT scale (300M inputs) the serial planner (`plan.py`) lists, hashes and sort
 which caps the whole cluster near one core's 46k inputs/s. Here each phase is a set of independent tasks run
 by the build's `Executor` (this process, worker processes or Ray tasks), MapReduce-style, over the ranges of
 a ranged source (`sources.RangedSource`): a Parquet manifest's runs of row groups, a CSV manifest's byte
-spans (cut at line starts), a class folder's runs of class folders (on a disk or under a bucket prefix).
+spans (cut at line starts), a class folder's runs of class folders (on a disk or under a bucket prefix), a
+flat folder's runs of top-level folders (its CSV labels file in byte spans, joined to them in 1b).
 
 1. survey (where a range's rows are not known before it is read, as in a CSV or a folder, or where labels
    are inferred, not given by --classes): each range's rows (per class folder for a folder) and distinct
@@ -16,9 +17,10 @@ spans (cut at line starts), a class folder's runs of class folders (on a disk or
    `plan_labels_S.parquet`, one row group per range, and its malformed lines to
    `plan_labels_S.errors.parquet`: the join of files and labels, by range, with no row on the driver.
 2. list: each range (about RANGE_ROWS inputs) lists its inputs as the serial listing does (keys, labels,
-   splits, a stat per local file; a flat folder's range reads its row group of each labels part), places each key in the shard order
-   (`order_hash`) and writes its items to `.work/plan_range_R.parquet`, one row group per order bucket
-   (buckets cut the 64-bit hash range into equal parts: bucket b holds hashes [b, b + 1) * 2^64 / B), and
+   splits, a stat per local file; a flat folder's range reads its row group of each labels part), places
+   each key in the shard order (`order_hash`) and writes its items to `.work/plan_range_R.parquet`, one
+   row group per order bucket (buckets cut the 64-bit hash range into equal parts: bucket b holds hashes
+   [b, b + 1) * 2^64 / B), and
    its rejected rows to `plan_range_R.errors.parquet` (a labels file's names with no such file, which the
    serial listing gives after every file, to `plan_range_R.unlisted.parquet`).
 3. sort: each bucket reads its row group from every range file, sorts by (hash, key, row), drops later
@@ -93,7 +95,8 @@ ITEM_SCHEMA = pa.schema(
 
 
 def supports(source) -> bool:
-    """Whether `source` is planned here: a manifest, or a folder in the class layout."""
+    """Whether `source` is planned here: a manifest, a folder in the class layout, or a flat folder with a
+    CSV labels file."""
     return bool(getattr(source, "ranged", False))
 
 
@@ -606,15 +609,10 @@ class RangedPlanner:
         return counts
 
     def clean(self) -> None:
-        """Remove the plan's parts (the dataset is complete)."""
+        """Remove the plan's parts (the dataset is complete): every `.work/plan_*` file, an earlier plan's
+        too (a labels file edited between runs is cut into other spans). .work/ holds little else."""
         out = self.plan.out
-        out.delete(MANIFEST_COPY)
-        for r in self.range_markers:
-            for suffix in ("parquet", "errors.parquet", "unlisted.parquet", "json"):
-                out.delete(range_rel(r, suffix))
-        for s in self.labels_markers:
-            for suffix in ("parquet", "errors.parquet", "json"):
-                out.delete(labels_rel(s, suffix))
-        for b in self.bucket_markers:
-            for suffix in ("parquet", "errors.parquet", "json"):
-                out.delete(bucket_rel(b, suffix))
+        prefix = PLAN.rsplit("/", 1)[1] + "_"
+        for name in out.list_files(WORK):
+            if name.startswith(prefix):
+                out.delete(f"{WORK}/{name}")

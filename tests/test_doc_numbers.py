@@ -121,23 +121,45 @@ CLAIMS = [
     (
         "docs/sharding.md",
         r"\| driver peak RSS \| (\d+\.\d+) MB \| (\d+\.\d+) MB \| (\d+\.\d+) MB \| (\d+\.\d+) MB \| "
-        r"<= 1 GB; Parquet flat \(<= 1\.2x\): (\d\.\d+)x",
+        r"(\d+\.\d+) MB \| <= 1 GB; Parquet flat \(<= 1\.2x\): (\d\.\d+)x",
         [
             result("shard_planning.json", "planning.1000000.driver_peak_rss_mb"),
             result("shard_planning.json", "planning.10000000.driver_peak_rss_mb"),
             result("shard_planning.json", "planning_other.csv.driver_peak_rss_mb"),
             result("shard_planning.json", "planning_other.folder.driver_peak_rss_mb"),
+            result("shard_planning.json", "planning_other.flat.driver_peak_rss_mb"),
             result("shard_planning.json", "planning_growth.driver_peak_rss"),
         ],
     ),
     (
         "docs/sharding.md",
-        r"\| driver CPU / workers' CPU \| (\d\.\d+) \| (\d\.\d+) \| (\d\.\d+) \| (\d\.\d+) \|",
+        r"\| driver CPU / workers' CPU \| (\d\.\d+) \| (\d\.\d+) \| (\d\.\d+) \| (\d\.\d+) \| (\d\.\d+) \|",
         [
             result("shard_planning.json", "planning.1000000.driver_cpu_share"),
             result("shard_planning.json", "planning.10000000.driver_cpu_share"),
             result("shard_planning.json", "planning_other.csv.driver_cpu_share"),
             result("shard_planning.json", "planning_other.folder.driver_cpu_share"),
+            result("shard_planning.json", "planning_other.flat.driver_cpu_share"),
+        ],
+    ),
+    (
+        "docs/sharding.md",
+        r"The serial planner on the same flat folder: its driver peaked at (\d+\.\d+) MB and spent (\d+\.\d+)"
+        r" CPU-seconds,\s+all of the planning. Planned in ranges, the driver's peak is (\d\.\d+)x that and its"
+        r" CPU (\d\.\d+)x",
+        [
+            result("shard_planning.json", "planning_baselines.flat_serial.driver_peak_rss_mb"),
+            result("shard_planning.json", "planning_baselines.flat_serial.driver_cpu_s"),
+            result("shard_planning.json", "planning_other.flat.driver_peak_rss_vs_serial"),
+            result("shard_planning.json", "planning_other.flat.driver_cpu_s_vs_serial"),
+        ],
+    ),
+    (
+        "docs/sharding.md",
+        r"its workers spent (\d+\.\d+) CPU-seconds against the class\s+folder's (\d+\.\d+)",
+        [
+            result("shard_planning.json", "planning_other.flat.workers_cpu_s"),
+            result("shard_planning.json", "planning_other.folder.workers_cpu_s"),
         ],
     ),
     (

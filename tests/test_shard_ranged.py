@@ -679,6 +679,7 @@ def test_a_flat_folder_with_a_labels_file_is_planned_in_ranges_as_the_serial_pla
     with pytest.raises(OSError, match="node lost"):
         flat_build(tmp_path / "a")
     assert calls["partition"] > 10
+    (tmp_path / "a" / ".work" / "plan_labels_999999.json").write_text("{}")  # an earlier plan's part
     calls["partition"] = 0
     flat_build(tmp_path / "a")
     assert calls["partition"] == 0  # every span's part was kept
@@ -690,7 +691,7 @@ def test_a_flat_folder_with_a_labels_file_is_planned_in_ranges_as_the_serial_pla
     assert shard_bytes(tmp_path / "a") == shard_bytes(tmp_path / "b")
     for split in ("train", "val"):
         assert keys_in_order(tmp_path / "a", split) == keys_in_order(tmp_path / "serial", split), split
-    assert not list((tmp_path / "a" / ".work").glob("plan_*"))
+    assert not list((tmp_path / "a" / ".work").glob("plan_*"))  # the earlier plan's part too
 
 
 def test_a_flat_folders_names_with_no_file_are_error_rows_even_without_files(tmp_path):
@@ -716,6 +717,21 @@ def test_a_flat_folders_names_with_no_file_are_error_rows_even_without_files(tmp
     assert [(e.key, e.reason) for e in FolderSource(root, root / "labels.csv").listing()] == [
         (r["key"], r["reason"]) for r in rows
     ]
+    (root / "labels.json").write_text(
+        '[{"file": "z.png", "label": "dog"}, {"file": "z.png", "label": "ant"}]'
+    )
+    # The classes are every label the file names, a row a later one replaces too: in JSON as in CSV.
+    assert FolderSource(root, root / "labels.json").classes == ["ant", "dog"]
+    (root / "dup.csv").write_text("file,label\nz.png,dog\nz.png,ant\n")
+    assert FolderSource(root, root / "dup.csv").classes == ["ant", "dog"]
+    for name in ("cr.csv", "cr_manifest.csv"):  # lines cut at a lone CR: refused, named (spans cut at LF)
+        (root / name).write_bytes(b"file,label,path\rz.png,cat,z.png\r")
+    with pytest.raises(DatasetError, match=r"cr.csv: its lines end in a lone carriage return"):
+        FolderSource(root, root / "cr.csv")
+    with pytest.raises(DatasetError, match=r"cr_manifest.csv: its lines end in a lone carriage return"):
+        ManifestSource(root / "cr_manifest.csv")
+    for name in ("cr.csv", "cr_manifest.csv", "dup.csv"):
+        (root / name).unlink()
     (root / "labels.json").write_text('{"z.png": "cat", "a/b.png": "dog"}')
     json_source = FolderSource(root, root / "labels.json")
     assert not ranged.supports(json_source) and json_source.classes == ["cat", "dog"]

@@ -108,11 +108,13 @@ class LocalTree:
         self.root = root
 
     def entries(self) -> list[str]:
+        """ ".", then the sub-folders' names: only those are held (a flat folder's files may be millions)."""
         try:
-            found = sorted(os.scandir(self.root), key=lambda e: e.name)
+            with os.scandir(self.root) as found:
+                names = [e.name for e in found if not _hidden(e.name) and e.is_dir(follow_symlinks=False)]
         except OSError:
             return []
-        return ["."] + [e.name for e in found if not _hidden(e.name) and e.is_dir(follow_symlinks=False)]
+        return [".", *sorted(names)]
 
     def walk(self, name: str):
         """(relative POSIX path, entry) of each file of one top-level entry."""

@@ -69,27 +69,33 @@ class EntryRanges:
         return max(0, bisect_right(self.starts, entry_order(entry_of(name)), key=entry_order) - 1)
 
 
-def read_labels_json(path: Path) -> tuple[dict[str, object], bool]:
-    """{relative file name: raw label or list}, and whether labels are lists (multi-label)."""
+def read_labels_json(path: Path) -> tuple[dict[str, object], bool, list]:
+    """{relative file name: raw label or list}, whether labels are lists (multi-label), and every row's label
+    values (a name listed twice: both rows'; the classes are every label the file names, as for a CSV)."""
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise DatasetError(f"{path}: not valid JSON ({exc})") from None
     if isinstance(data, dict):
         mapping = {str(k).replace("\\", "/"): v for k, v in data.items()}
-        return mapping, any(isinstance(v, list) for v in mapping.values())
+        return mapping, any(isinstance(v, list) for v in mapping.values()), _values(mapping.values())
     if not isinstance(data, list):  # [{"file": ..., "label(s)": ...}, ...]
         raise DatasetError(f"{path}: expected an object {{file name: label(s)}} or a list of rows")
     file_col, label_col = _label_columns(path, set().union(*(r.keys() for r in data)) if data else set())
     multi = label_col == "labels"
-    mapping = {}
+    mapping, raws = {}, []
     for r in data:
         try:
             raw = parse_label_list(r.get(label_col)) if multi else r.get(label_col)
         except UnknownLabel as exc:
             raise DatasetError(f"{path}: {r.get(file_col)!r}: {exc}") from None
         mapping[str(r.get(file_col)).replace("\\", "/")] = raw
-    return mapping, multi
+        raws.append(raw)
+    return mapping, multi, _values(raws)
+
+
+def _values(raws) -> list:
+    return [v for raw in raws for v in (raw if isinstance(raw, list) else [raw])]
 
 
 def _label_columns(path: Path, columns) -> tuple[str, str]:
@@ -136,7 +142,12 @@ class FolderSource:
             if not self.root.is_dir():
                 raise DatasetError(f"{root}: no such folder")
             self.tree = LocalTree(self.root)
-            folders = sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
+            # The class layout's classes (a stat per entry); a flat folder's DIR may hold millions of files.
+            folders = (
+                []
+                if self.labels_file
+                else sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
+            )
         self._mapping: dict[str, object] | None = None  # a JSON labels file, read whole
         self._csv: CsvTable | None = None  # a CSV one, read in spans
         self._label_spans: list[tuple[tuple, int]] = []  # (("lines", a, b), rows before it): `regroup`
@@ -157,8 +168,7 @@ class FolderSource:
         if self.labels_file.is_relative_to(self.root):
             self._skip = self.labels_file.relative_to(self.root).as_posix()
         if self.labels_file.suffix.lower() == ".json":
-            self._mapping, self.multi_label = read_labels_json(self.labels_file)
-            values = (v for raw in self._mapping.values() for v in (raw if isinstance(raw, list) else [raw]))
+            self._mapping, self.multi_label, values = read_labels_json(self.labels_file)
             self._space = LabelSpace.infer(values, classes)
             self.ranged = False
             return

@@ -166,6 +166,15 @@ class CsvTable:
     def __init__(self, path: Path, opener=None):
         self.path = path
         self._opener = opener
+        with open(path, "rb") as f:
+            head = f.read(HEADER_BLOCK)
+        cr, lf = head.find(b"\r"), head.find(b"\n")
+        if cr >= 0 and (lf < 0 or cr < lf) and head[cr + 1 : cr + 2] != b"\n":
+            # pyarrow reads them, but byte spans are cut at line feeds: a task would read the whole file.
+            raise DatasetError(
+                f"{path}: its lines end in a lone carriage return (CR, classic Mac); give it LF or CRLF "
+                "line ends (tr '\\r' '\\n' < OLD > NEW)"
+            )
         # The header, whatever the lines, from a reader of one small block (the default one's first blocks,
         # parsed, held about 45 MB more of a 1M-line file on the driver); a longer header, from the default.
         try:
