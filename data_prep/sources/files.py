@@ -64,12 +64,11 @@ def uri_item(
     return Item(key, uri, labels, size or URI_EST_BYTES, f"uri:{size or ''}", split)
 
 
-def walk_files(root: Path, skip: set[Path] | None = None):
+def walk_files(root: Path):
     """Regular files under `root` in sorted order, hidden names skipped; yields paths relative to root.
 
     Sorted per folder with os.scandir: the same listing on every machine, one folder in memory at a time.
     """
-    skip = skip or set()
     stack = [root]
     while stack:
         folder = stack.pop()
@@ -84,7 +83,7 @@ def walk_files(root: Path, skip: set[Path] | None = None):
             path = Path(e.path)
             if e.is_dir(follow_symlinks=False):
                 subdirs.append(path)
-            elif path not in skip:
+            else:
                 yield path.relative_to(root)
         stack.extend(reversed(subdirs))  # depth first, in name order
 

@@ -232,7 +232,7 @@ class FolderSource:
             yield self.tree.item(rel, entry, key, labels)
 
     def _files(self, entry: str):
-        """(name, path) of the files of one top-level entry of a flat folder, but the labels file."""
+        """(name, entry) of the files of one top-level entry, but a flat folder's labels file."""
         return ((rel, path) for rel, path in self.tree.walk(entry) if rel != self._skip)
 
     def _list_flat(self, entries, mapping: dict[str, object]) -> Iterator[Item | ListingError]:
@@ -334,10 +334,7 @@ class FolderSource:
         if spec[0] == "lines":
             rows, found = self._tally(spec)
             return Survey(rows, found if tally else None)
-        if self._csv is None:
-            counts = tuple(sum(1 for _ in self.tree.walk(name)) for name in spec[1:])
-        else:
-            counts = tuple(sum(1 for _ in self._files(name)) for name in spec[1:])
+        counts = tuple(sum(1 for _ in self._files(name)) for name in spec[1:])
         return Survey(sum(counts), LabelTally() if tally else None, units=counts)
 
     def regroup(self, surveyed: list[tuple[tuple, Survey]], rows_per_range: int) -> list[tuple[tuple, int]]:
