@@ -64,6 +64,7 @@ bench: setup
 	$(PY) bench/loader.py --out bench/results/loader.json
 	$(PY) bench/shard.py --out bench/results/shard.json
 	$(PY) bench/shard.py --sections planning --out bench/results/shard_planning.json
+	$(PY) bench/shard.py --sections fanout --out bench/results/shard_fanout.json
 	$(PY) bench/index.py --out bench/results/index.json
 	$(PY) bench/s3_read.py --out bench/results/s3_read.json
 	$(PY) bench/multinode.py --out bench/results/multinode.json

@@ -21,6 +21,9 @@ cores it bounds the ratio near 0.7 even for a client that cost nothing). Goal, o
 bucket-to-bucket images/s >= 0.7x local-to-local (median of the rounds' ratios). Each run records the
 server's CPU time and vitpipe's own (the command's process tree); `images_per_vitpipe_cpu_s` compares
 the two sides without the server.
+Fan-out (`--sections fanout`, its own run into bench/results/shard_fanout.json): the planner's driver at
+the shape of 300M inputs, ~150 labels spans x 300 ranges x 300 buckets (see fanout_rounds). Goals: the
+driver's peak RSS <= 1.25x that of the same folder planned as one range, its CPU <= 5% of the workers'.
 Sizes: 256x192 for speed (about 2.5 ms to draw and encode an image, so per-shard work dominates as
 with real JPEGs; at tiny sizes the fixed start-up and index costs would), 64x48 for memory. The whole
 bench takes about 8 minutes on 2 cores; each run records the 1-minute load average before and after, since
@@ -353,8 +356,8 @@ def memory_runs(tmp: Path, num: int, size: tuple[int, int], max_count: int, repe
 
 
 SECTIONS = ("speed", "memory", "bucket")
-# Not in the default run: `make bench` runs it on its own into bench/results/shard_planning.json.
-EXTRA_SECTIONS = ("planning",)
+# Not in the default run: `make bench` runs each on its own (bench/results/shard_planning.json, shard_fanout.json).
+EXTRA_SECTIONS = ("planning", "fanout")
 PLAN_IMAGES = 200  # distinct small JPEGs a generated manifest's rows point at (distinct keys)
 FOLDER_CLASSES = 1000  # class folders of the generated class folder (files: hard links to the JPEGs)
 
@@ -401,13 +404,13 @@ def write_manifest(folder: Path, rows: int, csv: bool = False) -> Path:
     return path
 
 
-def write_folder(folder: Path, files: int) -> Path:
-    """A class folder of `files` files in FOLDER_CLASSES class folders: hard links to the PLAN_IMAGES JPEGs
+def write_folder(folder: Path, files: int, classes: int = FOLDER_CLASSES) -> Path:
+    """A class folder of `files` files in `classes` class folders: hard links to the PLAN_IMAGES JPEGs
     (each file a real image and a directory entry of its own, with its own key)."""
     _plan_images(folder)
-    root = folder / f"classes-{files}"
-    per = files // FOLDER_CLASSES
-    for c in range(FOLDER_CLASSES):
+    root = folder / f"classes-{files}-{classes}"
+    per = files // classes
+    for c in range(classes):
         (root / f"n{c:05d}").mkdir(parents=True, exist_ok=True)
         for j in range(per):
             os.link(
@@ -435,17 +438,29 @@ def write_flat_labels(root: Path) -> Path:
     return path
 
 
-def plan_child(manifest: str, out: str, workers: int, full: bool, serial: bool = False) -> None:
+def plan_child(
+    manifest: str,
+    out: str,
+    workers: int,
+    full: bool,
+    serial: bool = False,
+    fanout: tuple[int, int] | None = None,
+) -> None:
     """In a process of its own (what `vitpipe shard manifest` runs): the whole build (`full`), or its
     planning alone (tally, list, sort, and every shard task generated, none written). Prints what the
     driver (this process) and its worker processes spent. A folder with a labels.csv is a flat folder;
-    `serial`: planned by the serial planner (`plan.py`), as a flat folder was before it was ranged."""
+    `serial`: planned by the serial planner (`plan.py`), as a flat folder was before it was ranged;
+    `fanout`: (rows per range, rows per bucket) in place of the planner's 1M and 1M."""
     import resource
 
+    from data_prep import ranged
     from data_prep.build import BuildOptions, _serial_planner, build_dataset, job_fingerprint
     from data_prep.dataset_dir import DatasetDir
     from data_prep.executors import Executor
     from data_prep.ranged import RangedPlanner
+
+    if fanout:
+        ranged.RANGE_ROWS, ranged.BUCKET_ROWS = fanout
     from data_prep.sources.folder import FolderSource
     from data_prep.sources.table import ManifestSource
 
@@ -510,6 +525,11 @@ def plan_child(manifest: str, out: str, workers: int, full: bool, serial: bool =
     }
     if planner is not None:
         record |= {"ranges": len(planner.ranges), "buckets": planner.plan.buckets, "items": planner.items()}
+        # The shuffles' metadata on the driver: a (labels span, range) pair per row group of a labels part,
+        # a (range, bucket) pair per row group of a range part.
+        record["labels_spans"] = len(planner.labels_markers)
+        record["span_range_pairs"] = sum(len(m["groups"]) for m in planner.labels_markers.values())
+        record["range_bucket_pairs"] = sum(len(m["groups"]) for m in planner.range_markers.values())
     print(json.dumps(record))
 
 
@@ -519,10 +539,18 @@ def _vm_hwm_kb() -> int:
         return int(next(line for line in f if line.startswith("VmHWM:")).split()[1])
 
 
-def _run_child(manifest: Path, out: Path, workers: int, full: bool, serial: bool = False) -> dict:
+def _run_child(
+    manifest: Path,
+    out: Path,
+    workers: int,
+    full: bool,
+    serial: bool = False,
+    fanout: tuple[int, int] | None = None,
+) -> dict:
     cmd = [sys.executable, __file__, "--plan-child", str(manifest), str(out), str(workers)]
     cmd += ["--full"] if full else []
     cmd += ["--serial"] if serial else []
+    cmd += ["--fanout", f"{fanout[0]},{fanout[1]}"] if fanout else []
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     shutil.rmtree(out, ignore_errors=True)
     if proc.returncode != 0:
@@ -640,6 +668,56 @@ def planning_rounds(tmp: Path, sizes: tuple[int, int], e2e_rows: int, repeats: i
     }
 
 
+FANOUT_FILES, FANOUT_FOLDERS = 300_000, 300  # a flat folder of 300 top-level folders of 1,000 files each
+FANOUT = (1_000, 1_000)  # rows per range and per bucket: 300 ranges, 300 buckets, ~150 labels spans
+
+
+def fanout_rounds(tmp: Path, repeats: int) -> dict:
+    """The driver at the shape of 300M inputs: ~150 labels spans x 300 ranges x 300 buckets, from a flat
+    folder of 300k files with a shuffled labels.csv planned with ranges and buckets of 1,000 rows (the
+    planner's are 1M), against the same folder planned as one range, one span and one bucket. What the driver
+    holds per (span, range) and (range, bucket) pair does not depend on the rows behind it, so this is the
+    metadata of 300M inputs (160 x 300 and 300 x 300 pairs) at a thousandth of the rows. Alternating rounds;
+    medians."""
+    folder = write_folder(tmp, FANOUT_FILES, FANOUT_FOLDERS)
+    write_flat_labels(folder)
+    rounds = []
+    for _ in range(repeats):
+        one = _other_run(folder, tmp)
+        many = _run_child(folder, tmp / "plan-out", 2, full=False, fanout=FANOUT)
+        many["driver_cpu_share"] = round(many["driver_cpu_s"] / max(1e-9, many["workers_cpu_s"]), 4)
+        rounds.append({"one_range": one, "fanout": many})
+    shutil.rmtree(folder)
+
+    def med(kind: str, key: str) -> float:
+        return statistics.median(r[kind][key] for r in rounds)
+
+    rss_ratio = round(med("fanout", "driver_peak_rss_mb") / med("one_range", "driver_peak_rss_mb"), 3)
+    share = med("fanout", "driver_cpu_share")
+    last = rounds[-1]["fanout"]
+    return {
+        "files": FANOUT_FILES,
+        "top_level_folders": FANOUT_FOLDERS,
+        "rows_per_range_and_bucket": list(FANOUT),
+        "shape": {
+            k: last[k]
+            for k in ("ranges", "labels_spans", "buckets", "span_range_pairs", "range_bucket_pairs")
+        },
+        "rounds": rounds,
+        "median": {
+            kind: {
+                key: med(kind, key)
+                for key in ("driver_peak_rss_mb", "driver_cpu_s", "workers_cpu_s", "wall_s")
+            }
+            for kind in ("one_range", "fanout")
+        },
+        "goals": {
+            "driver_peak_rss_vs_one_range": {"value": rss_ratio, "goal": "<= 1.25", "met": rss_ratio <= 1.25},
+            "driver_cpu_share": {"value": share, "goal": "<= 0.05", "met": share <= 0.05},
+        },
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -673,10 +751,11 @@ def main() -> None:
     ap.add_argument("--plan-child", nargs=3, metavar=("MANIFEST", "OUT", "WORKERS"), help=argparse.SUPPRESS)
     ap.add_argument("--full", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--serial", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--fanout", type=lambda v: tuple(int(x) for x in v.split(",")), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.plan_child:
         manifest, out, workers = args.plan_child
-        plan_child(manifest, out, int(workers), args.full, args.serial)
+        plan_child(manifest, out, int(workers), args.full, args.serial, args.fanout)
         return
     sections = [x for x in args.sections.split(",") if x]
     unknown = set(sections) - set(SECTIONS) - set(EXTRA_SECTIONS)
@@ -711,6 +790,11 @@ def main() -> None:
             small, large = (int(x) for x in args.plan_rows.split(","))
             result["command"] = "vitpipe shard manifest MANIFEST.parquet OUT --max-count 1000 --workers K"
             result |= planning_rounds(tmp, (small, large), args.e2e_rows, repeats)
+        if "fanout" in sections:
+            result["command"] = (
+                "vitpipe shard folder DIR OUT --labels DIR/labels.csv --max-count 1000 --workers 2"
+            )
+            result["fanout"] = fanout_rounds(tmp, repeats)
         if "bucket" in sections:
             result["object_storage"] = bucket_rounds(
                 tmp, bucket_num, 2, (500, 375), 384, args.max_count, repeats
