@@ -182,6 +182,37 @@ CLAIMS = [
         [result("shard_planning.json", "planning.10000000.workers_cpu_s")],
     ),
     (
+        "docs/sharding.md",
+        r"ranges, (\d+) spans, (\d+) buckets, (\d+) \(span, range\)\s+and (\d+) \(range, bucket\) pairs",
+        [
+            result("shard_fanout.json", "fanout.shape.labels_spans"),
+            result("shard_fanout.json", "fanout.shape.buckets"),
+            result("shard_fanout.json", "fanout.shape.span_range_pairs"),
+            result("shard_fanout.json", "fanout.shape.range_bucket_pairs"),
+        ],
+    ),
+    (
+        "docs/sharding.md",
+        r"the driver peaked at (\d+\.\d+) MB against\s+(\d+\.\d+) MB for the same folder planned as one range: "
+        r"(\d\.\d+)x",
+        [
+            result("shard_fanout.json", "fanout.median.fanout.driver_peak_rss_mb"),
+            result("shard_fanout.json", "fanout.median.one_range.driver_peak_rss_mb"),
+            result("shard_fanout.json", "fanout.goals.driver_peak_rss_vs_one_range.value"),
+        ],
+    ),
+    (
+        "docs/sharding.md",
+        r"It spent (\d+\.\d+) CPU-seconds, (\d\.\d+) of the workers'\s+\(goal 0\.05: met\)\. The workers spent "
+        r"(\d+\.\d+) CPU-seconds against (\d+\.\d+)",
+        [
+            result("shard_fanout.json", "fanout.median.fanout.driver_cpu_s"),
+            result("shard_fanout.json", "fanout.goals.driver_cpu_share.value"),
+            result("shard_fanout.json", "fanout.median.fanout.workers_cpu_s"),
+            result("shard_fanout.json", "fanout.median.one_range.workers_cpu_s"),
+        ],
+    ),
+    (
         "README.md",
         r"Loader: (\d+\.\d+)x the plain webdataset",
         [result("loader.json", "speedup_vs_plain_full.full")],
