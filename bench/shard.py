@@ -22,7 +22,7 @@ bucket-to-bucket images/s >= 0.7x local-to-local (median of the rounds' ratios).
 server's CPU time and vitpipe's own (the command's process tree); `images_per_vitpipe_cpu_s` compares
 the two sides without the server.
 Fan-out (`--sections fanout`, its own run into bench/results/shard_fanout.json): the planner's driver at
-the shape of 300M inputs, ~150 labels spans x 300 ranges x 300 buckets (see fanout_rounds). Goals: the
+the shape of 300M inputs, ~160 labels spans x 300 ranges x 300 buckets (see fanout_rounds). Goals: the
 driver's peak RSS <= 1.25x that of the same folder planned as one range, its CPU <= 5% of the workers'.
 Sizes: 256x192 for speed (about 2.5 ms to draw and encode an image, so per-shard work dominates as
 with real JPEGs; at tiny sizes the fixed start-up and index costs would), 64x48 for memory. The whole
@@ -458,11 +458,11 @@ def plan_child(
     from data_prep.dataset_dir import DatasetDir
     from data_prep.executors import Executor
     from data_prep.ranged import RangedPlanner
+    from data_prep.sources.folder import FolderSource
+    from data_prep.sources.table import ManifestSource
 
     if fanout:
         ranged.RANGE_ROWS, ranged.BUCKET_ROWS = fanout
-    from data_prep.sources.folder import FolderSource
-    from data_prep.sources.table import ManifestSource
 
     # The driver's peak RSS: VmHWM (ru_maxrss would not do: Linux keeps it across exec, so it starts at the
     # bench's own). The workers': sampled once a second (a faster sampler costs the driver CPU it measures).
@@ -669,11 +669,11 @@ def planning_rounds(tmp: Path, sizes: tuple[int, int], e2e_rows: int, repeats: i
 
 
 FANOUT_FILES, FANOUT_FOLDERS = 300_000, 300  # a flat folder of 300 top-level folders of 1,000 files each
-FANOUT = (1_000, 1_000)  # rows per range and per bucket: 300 ranges, 300 buckets, ~150 labels spans
+FANOUT = (1_000, 1_000)  # rows per range and per bucket: 300 ranges, 300 buckets, ~160 labels spans
 
 
 def fanout_rounds(tmp: Path, repeats: int) -> dict:
-    """The driver at the shape of 300M inputs: ~150 labels spans x 300 ranges x 300 buckets, from a flat
+    """The driver at the shape of 300M inputs: ~160 labels spans x 300 ranges x 300 buckets, from a flat
     folder of 300k files with a shuffled labels.csv planned with ranges and buckets of 1,000 rows (the
     planner's are 1M), against the same folder planned as one range, one span and one bucket. What the driver
     holds per (span, range) and (range, bucket) pair does not depend on the rows behind it, so this is the
