@@ -247,6 +247,45 @@ def test_the_driver_hands_out_only_numbers(inputs, tmp_path, monkeypatch):
     assert all(len(repr(t)) < 200 for t in seen if type(t).__name__ in ("SurveyTask", "Range"))
 
 
+def test_the_survey_holds_each_label_name_once_however_many_ranges_name_it(tmp_path, monkeypatch):
+    """Labels inferred from a manifest: every range tallies its label names, and the driver merges each tally
+    as it arrives. Holding them all until the last (300 ranges x 18k names at 300M) would grow with ranges x
+    names; here 64 ranges of the same 200 names peak as 8 ranges do (Python allocations, tracemalloc)."""
+    import tracemalloc
+
+    from data_prep.build import job_fingerprint
+    from data_prep.executors import Executor
+
+    rows, names = 12_800, 200
+    labels = [f"a-label-name-long-enough-to-count-{i % names:05d}" for i in range(rows)]
+    manifest = tmp_path / "manifest.parquet"
+    table = pa.table({"path": [f"x{i}.png" for i in range(rows)], "label": labels})
+    pq.write_table(table, manifest, row_group_size=200)
+
+    def survey_peak(range_rows: int) -> tuple[int, int]:
+        monkeypatch.setattr(ranged, "RANGE_ROWS", range_rows)
+        source, opts = ManifestSource(manifest), BuildOptions(workers=1, progress=False)
+        root = DatasetDir(str(tmp_path / f"out{range_rows}"))
+        root.make()
+        planner = ranged.RangedPlanner.make(source, root, "", job_fingerprint(source, opts), opts)
+        with Executor(1) as executor:
+            tracemalloc.start()
+            try:
+                planner.survey(executor)
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+        assert len(source.classes) == names
+        return len(planner.ranges), peak
+
+    survey_peak(rows)  # imports and caches made before anything is measured
+    (few, few_peak), (many, many_peak) = survey_peak(1600), survey_peak(200)
+    assert (few, many) == (8, 64)
+    # Holding every tally until the last: 64 x 200 names against 8 x 200, measured 4.8x the peak (1.72 MB
+    # against 0.36); merged as they come, 0.48x (0.11 against 0.23).
+    assert many_peak < 1.5 * few_peak, (few_peak, many_peak)
+
+
 def test_index_and_errors_read_the_same_from_one_part_or_one_per_shard(inputs, tmp_path, monkeypatch):
     """index.parquet and errors.parquet as the index tasks' parts: the same rows with one part for the
     whole dataset and with one per shard, with rejected inputs from the listing (the first part) and from
