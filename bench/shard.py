@@ -528,8 +528,8 @@ def plan_child(
         # The shuffles' metadata on the driver: a (labels span, range) pair per row group of a labels part,
         # a (range, bucket) pair per row group of a range part.
         record["labels_spans"] = len(planner.labels_markers)
-        record["span_range_pairs"] = sum(len(m["groups"]) for m in planner.labels_markers.values())
-        record["range_bucket_pairs"] = sum(len(m["groups"]) for m in planner.range_markers.values())
+        record["span_range_pairs"] = sum(len(m["pieces"]) for m in planner.labels_markers.values())
+        record["range_bucket_pairs"] = sum(len(m["pieces"]) for m in planner.range_markers.values())
     print(json.dumps(record))
 
 

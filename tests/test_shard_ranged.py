@@ -9,6 +9,7 @@ reference, is forced by turning ranged planning off (`serial=True`).
 """
 
 import hashlib
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,7 @@ from data_prep import build as build_module
 from data_prep import finish, ranged
 from data_prep.build import BuildOptions, build_dataset
 from data_prep.dataset_dir import DatasetDir
+from data_prep.executors import Executor
 from data_prep.layout import DatasetError, read_manifest
 from data_prep.sources import folder as folder_module
 from data_prep.sources import table as table_module
@@ -215,6 +217,63 @@ def test_a_failed_build_resumes_without_redoing_finished_ranges_and_buckets(inpu
     assert not list((out / ".work").glob("plan_*"))  # the plan's parts go once the dataset is complete
 
 
+def test_a_bucket_reads_only_its_own_piece_of_each_range_file(inputs, tmp_path, monkeypatch):
+    """Each range file holds one piece per bucket, an Arrow IPC stream of its own at the offset its marker
+    names: a bucket task reads those bytes and no others (not a footer describing every bucket: at 300M,
+    300 ranges x 300 buckets). A part cut short is refused, naming the file and what is missing."""
+    parquet, _ = inputs
+    monkeypatch.setattr(ranged, "RANGE_ROWS", 64)
+    monkeypatch.setattr(ranged, "BUCKET_ROWS", 45)  # 7 buckets: each range file holds up to 7 pieces
+    reads: list[tuple[str, int, int]] = []
+    real_open = DatasetDir.open_file
+
+    class Counted:
+        def __init__(self, f, rel):
+            self.f, self.rel = f, rel
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def seek(self, offset):
+            self.at = offset
+            return self.f.seek(offset)
+
+        def read(self, n):
+            data = self.f.read(n)
+            reads.append((self.rel, self.at, len(data)))
+            return data
+
+    monkeypatch.setattr(DatasetDir, "open_file", lambda self, rel: Counted(real_open(self, rel), rel))
+    source = ManifestSource(parquet)
+    opts = BuildOptions(workers=1, progress=False, max_count=16, val_fraction=0.2)
+    root = DatasetDir(str(tmp_path / "out"))
+    root.make()
+    planner = ranged.RangedPlanner.make(source, root, "", build_module.job_fingerprint(source, opts), opts)
+    with Executor(1) as executor:
+        planner.survey(executor)
+        planner.seal()
+        planner.list(executor)
+        reads.clear()
+        planner.sort(executor)
+    pieces = [
+        (ranged.range_rel(r, "arrows"), int(offset), int(length))
+        for r, m in planner.range_markers.items()
+        for _, offset, length in m["pieces"]
+    ]
+    assert len(planner.range_markers) == 5 and planner.plan.buckets == 7 and len(pieces) > 20
+    assert sorted(reads) == sorted(pieces)  # each piece read once, whole, and nothing else
+    part = tmp_path / "out" / ranged.range_rel(2, "arrows")
+    assert sum(n for rel, _, n in reads if rel.endswith(part.name)) == part.stat().st_size
+    part.write_bytes(part.read_bytes()[:-10])
+    last_bucket = int(planner.range_markers[2]["pieces"][-1][0])
+    task = ranged.BucketTask(last_bucket, dict(ranged._invert(planner.range_markers))[last_bucket])
+    with pytest.raises(DatasetError, match=rf"{part.name}: \d+ bytes at offset \d+ where its marker names a"):
+        ranged.sort_bucket(task, replace(planner.plan, fingerprint="another"))  # not resumed: read again
+
+
 def test_the_driver_hands_out_only_numbers(inputs, tmp_path, monkeypatch):
     """Every task a build hands a worker is a range, a bucket, a slice or a run of shards to index: a few
     integers (and shard paths), never an item; what comes back is a marker of numbers or a shard's result."""
@@ -254,7 +313,6 @@ def test_the_survey_holds_each_label_name_once_however_many_ranges_name_it(tmp_p
     import tracemalloc
 
     from data_prep.build import job_fingerprint
-    from data_prep.executors import Executor
 
     rows, names = 12_800, 200
     labels = [f"a-label-name-long-enough-to-count-{i % names:05d}" for i in range(rows)]
