@@ -14,6 +14,8 @@ import pickle
 import shutil
 import socket
 import tempfile
+import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
@@ -85,7 +87,12 @@ class Executor:
             self.workers = max(1, int(self._ray.cluster_resources().get("CPU", 1)))
         elif self.workers > 1:
             # spawn, not fork: the driver holds pyarrow's threads and open files a forked child must not inherit.
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+            self._pool = ProcessPoolExecutor(
+                self.workers,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_exit_with_parent,
+                initargs=(os.getpid(),),
+            )
             self._shared_dir = tempfile.mkdtemp(prefix="vitpipe-shared-")
         return self
 
@@ -146,6 +153,19 @@ class Executor:
             done, pending = ray.wait(pending, num_returns=1)
             for ref in done:
                 yield ray.get(ref)
+
+
+def _exit_with_parent(parent: int, poll_s: float = 1.0) -> None:
+    """In a pool's worker process: exit once the driver is gone. A driver killed (SIGTERM from `timeout`, a
+    scheduler or `ray job stop`; SIGKILL) never shuts its pool down, and its workers, blocked on the task
+    queue, would otherwise wait for good, each holding its imports and last task's memory."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 _loaded: dict[str, object] = {}  # in a pool's worker process: the shared object of the map it works for

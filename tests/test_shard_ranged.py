@@ -872,3 +872,45 @@ def test_a_csv_header_longer_than_the_first_read_is_read_whole(inputs, monkeypat
     monkeypatch.setattr(table_module, "HEADER_BLOCK", 8)  # "path,lab": no whole line
     source = ManifestSource(csv)
     assert source.read_cols == ["path", "label", "split", "key"] and list(source.listing()) == whole
+
+
+def test_a_killed_driver_leaves_no_worker_process_behind(tmp_path):
+    """A driver killed mid-build (SIGKILL here; SIGTERM from `timeout` or a scheduler does the same) never
+    shuts its pool down: its worker processes notice it is gone and exit, instead of waiting on the task
+    queue for good (as they did, reparented to init, for 40 minutes in a stopped bench)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    script = tmp_path / "driver.py"
+    script.write_text(
+        "import os, time\n"
+        "from data_prep.executors import Executor\n"
+        "def _pid(task, shared):\n"
+        "    time.sleep(0.2)\n"
+        "    return os.getpid()\n"
+        "if __name__ == '__main__':\n"
+        "    with Executor(2) as ex:\n"
+        "        pids = set(ex.map(_pid, range(8), None))\n"
+        "        print(' '.join(map(str, sorted(pids))), flush=True)\n"
+        "        time.sleep(600)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=tmp_path, env=env
+    )
+    try:
+        workers = [psutil.Process(int(p)) for p in proc.stdout.readline().split()]
+        assert workers and all(w.is_running() for w in workers)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    deadline = time.time() + 30
+    while time.time() < deadline and any(w.is_running() and w.status() != "zombie" for w in workers):
+        time.sleep(0.2)
+    alive = [w.pid for w in workers if w.is_running() and w.status() != "zombie"]
+    assert not alive, f"worker processes {alive} outlived their killed driver"
