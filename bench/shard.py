@@ -525,8 +525,8 @@ def plan_child(
     }
     if planner is not None:
         record |= {"ranges": len(planner.ranges), "buckets": planner.plan.buckets, "items": planner.items()}
-        # The shuffles' metadata on the driver: a (labels span, range) pair per row group of a labels part,
-        # a (range, bucket) pair per row group of a range part.
+        # The shuffles' metadata on the driver: a (labels span, range) pair per piece of a labels part,
+        # a (range, bucket) pair per piece of a range part.
         record["labels_spans"] = len(planner.labels_markers)
         record["span_range_pairs"] = sum(len(m["pieces"]) for m in planner.labels_markers.values())
         record["range_bucket_pairs"] = sum(len(m["pieces"]) for m in planner.range_markers.values())
