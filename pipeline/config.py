@@ -1236,7 +1236,8 @@ class _ExperimentKeys(_Section):
         min_length=1,
         description="Stage name -> that stage's own keys (any stage key but name, seed and run_dir, which the "
         "experiment sets), run in this order; overrides read `stages.NAME.optim.steps=100` (with `seeds`, the "
-        "name as written: the override applies to every replica).",
+        "name as written: the override applies to every replica); `stages.NAME=null` (or `NAME: null` in a "
+        "file over a `base:`) drops a stage, and a stage that reads a dropped one is refused.",
     )
 
     @field_validator("seeds")
@@ -1298,6 +1299,27 @@ class Experiment(BaseModel):
         return self.run_path / "parent_run.json"
 
 
+def _dropped_stages(raw: dict, written: list[str], path: Path) -> set[str]:
+    """Removes the stages set to null (`stages.NAME=null` on the command line, or `NAME: null` in a file
+    over its `base:`), so the rest run as the experiment; returns their names. A null for a stage the
+    experiment does not have is an error naming the ones it has."""
+    stages = raw.get("stages")
+    if not isinstance(stages, dict):
+        return set()
+    dropped = {name for name, settings in stages.items() if settings is None}
+    unknown = sorted(dropped - set(written))
+    if unknown:
+        raise ConfigError(
+            f"{path}: stages.{unknown[0]}=null drops a stage the experiment does not have "
+            f"(its stages: {', '.join(written)})"
+        )
+    for name in dropped:
+        del stages[name]
+    if written and not stages:
+        raise ConfigError(f"{path}: every stage is dropped (stages.NAME=null): nothing would run")
+    return dropped
+
+
 def _given(section: BaseModel | None) -> dict:
     """The keys a partial section was given (an explicit null included), as plain data."""
     return {} if section is None else section.model_dump(exclude_unset=True)
@@ -1324,7 +1346,9 @@ def load_experiment(path: str | os.PathLike, overrides: list[str] | None = None)
             source=str(path),
         )
     raw = _with_bases(raw, path, seen=(path.resolve(),))
+    written = list(raw.get("stages") or {}) if isinstance(raw.get("stages"), dict) else []
     raw = apply_overrides(raw, list(overrides or []))
+    dropped = _dropped_stages(raw, written, path)
     try:
         f = ExperimentFile.model_validate(raw)
     except ValidationError as err:
@@ -1373,6 +1397,11 @@ def load_experiment(path: str | os.PathLike, overrides: list[str] | None = None)
                 node: Any = merged
                 for k in keys:
                     node = node.get(k) if isinstance(node, dict) else None
+                if isinstance(node, str) and node in dropped:
+                    raise ConfigError(
+                        f"{path}: stages.{stage_name}.{'.'.join(keys)}: stage {node!r} is dropped "
+                        f"(stages.{node}=null): drop stages.{stage_name} too, or name an export folder"
+                    )
                 if isinstance(node, str) and node in f.stages:
                     if run_name(node, seed) not in [n for n, _ in resolved]:
                         raise ConfigError(

@@ -448,3 +448,39 @@ def test_seed_and_seeds_together_name_both_and_the_override_that_replaces_a_seed
         ConfigError, match=r"seeds: seeds repeats the stages of a multi-stage experiment file"
     ):
         load_config(SMOKE, ["seeds=[0,1]"])
+
+
+DETECTION = Path(__file__).parents[1] / "configs/experiments/detection.yaml"
+
+
+def test_a_stage_set_to_null_is_dropped_and_a_stage_that_reads_it_is_named(tmp_path):
+    """`stages.NAME=null` runs the experiment without that stage (a file over a `base:` can do the same
+    with `NAME: null`); every other stage resolves as before."""
+    whole = load_experiment(DETECTION, ["seeds=[0]"])
+    names = [n for n, _ in whole.stages]
+    assert {"det_scratch_s0", "eval_det_scratch_s0"} <= set(names)
+    part = load_experiment(
+        DETECTION, ["seeds=[0]", "stages.det_scratch=null", "stages.eval_det_scratch=null"]
+    )
+    assert [n for n, _ in part.stages] == [n for n in names if "scratch" not in n]
+    kept = dict(whole.stages)
+    for name, cfg in part.stages:  # the same resolved stage as in the whole experiment
+        assert cfg.model_dump() == kept[name].model_dump(), name
+    # A stage whose weights come from a dropped stage: refused, naming both.
+    with pytest.raises(
+        ConfigError,
+        match=r"stages\.eval_det_scratch\.model\.init_from: stage 'det_scratch' is dropped "
+        r"\(stages\.det_scratch=null\): drop stages\.eval_det_scratch too",
+    ):
+        load_experiment(DETECTION, ["stages.det_scratch=null"])
+    with pytest.raises(
+        ConfigError, match=r"stages\.det_scracth=null drops a stage the experiment does not have"
+    ):
+        load_experiment(DETECTION, ["stages.det_scracth=null"])
+    derived = write(tmp_path, f"base: {DETECTION}\nstages: {{det_scratch: null, eval_det_scratch: null}}\n")
+    assert [n for n, _ in load_experiment(derived).stages] == [
+        n for n, _ in load_experiment(DETECTION).stages if "scratch" not in n
+    ]
+    every = [f"stages.{n}=null" for n in yaml.safe_load(DETECTION.read_text())["stages"]]
+    with pytest.raises(ConfigError, match="every stage is dropped"):
+        load_experiment(DETECTION, every)
