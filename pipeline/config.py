@@ -984,7 +984,9 @@ def datasets_written_relative(raw: dict) -> list[tuple[str, str]]:
     stages = raw.get("stages") or {}
     default = ("defaults.data.train", train(raw.get("defaults"))) if stages else ("data.train", train(raw))
     read = [
-        (f"stages.{n}.data.train", train(s)) if train(s) is not None else default for n, s in stages.items()
+        (f"stages.{n}.data.train", train(s)) if train(s) is not None else default
+        for n, s in stages.items()
+        if s is not None  # a dropped stage (stages.NAME=null) reads nothing
     ]
     found = []
     for key, value in read or [default]:
@@ -1346,7 +1348,7 @@ def load_experiment(path: str | os.PathLike, overrides: list[str] | None = None)
             source=str(path),
         )
     raw = _with_bases(raw, path, seen=(path.resolve(),))
-    written = list(raw.get("stages") or {}) if isinstance(raw.get("stages"), dict) else []
+    written = list(raw["stages"]) if isinstance(raw.get("stages"), dict) else []
     raw = apply_overrides(raw, list(overrides or []))
     dropped = _dropped_stages(raw, written, path)
     try:

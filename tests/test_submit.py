@@ -174,6 +174,8 @@ def test_a_relative_dataset_path_is_refused_before_any_upload():
         submit.check_datasets_written(two_stage, [])
     for fine in ("/shared/data/smoke", "s3://bucket/smoke", "pipe:cat /x.tar"):
         submit.check_datasets_written(two_stage, [f"defaults.data.train={fine}"])
+    # A dropped stage reads nothing: the relative default is read by no stage that runs.
+    submit.check_datasets_written(two_stage, ["stages.pretrain.data.train=/d/smoke", "stages.finetune=null"])
     demo = str(root / "configs/experiments/demo.yaml")  # each stage its own; the demo gives them absolute
     with pytest.raises(
         submit.SubmitError, match=r"^\S+demo.yaml: stages.finetune.data.train 'data/demo/digits'"
