@@ -6,7 +6,9 @@ PIP := $(PY) -m pip
 # The CPU wheel lies on disk here; on GPU machines set TORCH_SPEC to the CUDA build you want.
 TORCH_SPEC ?= torch==2.13.0
 DEEPSPEED_SPEC ?= deepspeed==0.19.8
-export DS_ACCELERATOR ?= cpu
+# Not exported: each rank sets DeepSpeed's accelerator from its stage's device (pipeline/distributed.py);
+# a DS_ACCELERATOR in the environment that names the other device is refused at the stage's start.
+DS_BUILD_ACCELERATOR ?= cpu
 export DS_BUILD_OPS ?= 0
 export RAY_AUTH_MODE ?= token
 export PYTHONUNBUFFERED := 1
@@ -21,9 +23,10 @@ $(VENV)/.torch:
 	$(PIP) install -q --no-compile "$(TORCH_SPEC)"
 	touch $@
 
-# deepspeed ships only as source; its isolated build would download torch.
+# deepspeed ships only as source; its isolated build would download torch. No op is compiled
+# (DS_BUILD_OPS=0), so the accelerator the build records serves nothing at run time.
 $(VENV)/.deepspeed: $(VENV)/.torch
-	$(PIP) install -q --no-compile --no-build-isolation "$(DEEPSPEED_SPEC)"
+	DS_ACCELERATOR=$(DS_BUILD_ACCELERATOR) $(PIP) install -q --no-compile --no-build-isolation "$(DEEPSPEED_SPEC)"
 	touch $@
 
 # pip byte-compiles each package on one core as it installs it (about 50 s for this venv); compiling the

@@ -317,7 +317,7 @@ def run_loader(
     t = Train("vit_b16", 1, 0.0, "supervised_softmax", batch, img)
     cfg = _stage_config(t, gpu, {"num_workers": workers, "decode": decode, "shuffle_buffer": 64})
     info = dataset_info(data_root, "train")
-    loader = make_train_loader(info, cfg.data, rank=0, world_size=1, img_size=img, seed=0)
+    loader = make_train_loader(info, cfg.data, rank=0, world_size=1, img_size=img, seed=0, pin_memory=gpu)
     if decode == "cuda":
         it, to_device = _device_batches(loader, cfg.data, img, device, gpu)
     else:
@@ -351,7 +351,7 @@ def run_fed_training(data_root: str, t: Train, gpu: bool, workers: int) -> dict:
     info = dataset_info(data_root, "train")
     data = {"num_workers": workers, "decode": "cuda", "shuffle_buffer": 64}
     cfg, ctx, engine, objective, _ = _build(t, gpu, info.num_classes, data)
-    loader = make_train_loader(info, cfg.data, rank=0, world_size=1, img_size=t.img, seed=0)
+    loader = make_train_loader(info, cfg.data, rank=0, world_size=1, img_size=t.img, seed=0, pin_memory=gpu)
     it, to_device = _device_batches(loader, cfg.data, t.img, ctx.device, gpu)
     for step in range(t.warmup):
         loss, *_ = train_step(engine, objective, it, to_device, 0, step, 1, 0)

@@ -44,6 +44,7 @@ from pipeline.config import (
     load_experiment,
     validate_config,
 )
+from pipeline.stage import STOP_FILE
 from pipeline.tracking import (
     EXPERIMENT_URI_TAG,
     RUN_ID_FILE,
@@ -56,8 +57,7 @@ from pipeline.tracking import (
     run_metrics,
     write_run_id,
 )
-from pipeline.train.launch import prepare_data, run_rank
-from pipeline.train.loop import STOP_FILE
+from pipeline.train.launch import prepare_data, run_rank  # imports neither the training loop nor DeepSpeed
 
 DONE = "DONE.json"
 

@@ -263,11 +263,8 @@ def submit(
             file=sys.stderr,
         )
         rel_config = str(cfg_path)
-    chosen = {c.cluster.use_gpu for _, c in exp.stages}
-    # With cluster.use_gpu: auto the engine picks DeepSpeed's accelerator from what each process sees.
-    accelerator = {} if "auto" in chosen else {"DS_ACCELERATOR": "cuda" if True in chosen else "cpu"}
+    # No DS_ACCELERATOR: each rank sets DeepSpeed's from its own stage's device (pipeline.distributed).
     env_vars = {
-        **accelerator,
         "PYTHONUNBUFFERED": "1",
         # `ray job stop` SIGKILLs the driver 3 s after SIGTERM by default: too short to checkpoint a stage.
         "RAY_JOB_STOP_WAIT_TIME_S": str(STOP_WAIT_S),

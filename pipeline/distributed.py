@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pipeline.config import ConfigError
+
 
 @dataclass(frozen=True)
 class DistContext:
@@ -28,8 +30,47 @@ class DistContext:
         return self.rank == 0
 
 
+ACCELERATOR_ENV = "DS_ACCELERATOR"
+
+
+class AcceleratorMismatch(ConfigError):
+    """DeepSpeed's accelerator names another device than the stage runs on."""
+
+
+def use_accelerator(use_gpu: bool) -> None:
+    """DeepSpeed's accelerator for this process: the stage's device (its resolved `cluster.use_gpu`).
+
+    DeepSpeed reads DS_ACCELERATOR once, when it is imported, and moves the model to that accelerator's
+    device whatever the process group's: a `cluster.use_gpu: false` stage on a CUDA host, or a GPU stage
+    under a DS_ACCELERATOR=cpu left in the environment, put the model on one device and the batches on
+    the other, and failed at the first step. So each rank sets it from its stage before DeepSpeed is
+    imported (pipeline.train.launch.run_rank; the launchers import the training loop only then). A
+    DS_ACCELERATOR set for the process, or a DeepSpeed already imported, that names the other device is
+    refused here, naming both."""
+    wanted = "cuda" if use_gpu else "cpu"
+    if "deepspeed" in sys.modules:
+        from deepspeed.accelerator import get_accelerator
+
+        have = get_accelerator().device_name().split(":")[0]
+        where = f"DeepSpeed was imported with its {have} accelerator"
+    else:
+        have = os.environ.get(ACCELERATOR_ENV)
+        where = f"{ACCELERATOR_ENV}={have} is set"
+        if have is None:
+            os.environ[ACCELERATOR_ENV] = wanted
+            return
+    if have != wanted:
+        device = "a GPU" if use_gpu else "the CPU"
+        raise AcceleratorMismatch(
+            f"{where}, but this stage runs on {device} (cluster.use_gpu: {str(use_gpu).lower()}): DeepSpeed "
+            f"would put the model on {have}. Unset {ACCELERATOR_ENV} (each rank sets it from its stage), or "
+            f"set cluster.use_gpu={str(have == 'cuda').lower()}"
+        )
+
+
 def deepspeed_module():
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    # Set by use_accelerator where a stage runs; this default serves code that builds an engine by itself.
+    os.environ.setdefault(ACCELERATOR_ENV, "cuda" if torch.cuda.is_available() else "cpu")
     if "deepspeed" not in sys.modules and "mlflow" not in sys.modules:
         # `import deepspeed` imports its autotuner, which imports mlflow where it is installed (0.9 s of CPU
         # here) for autotuning runs that training never starts. Ranks other than 0 never use mlflow
@@ -44,7 +85,7 @@ def deepspeed_module():
     import deepspeed
     import deepspeed.ops
 
-    if os.environ["DS_ACCELERATOR"] == "cpu" and "__compatible_ops__" not in vars(deepspeed.ops):
+    if os.environ[ACCELERATOR_ENV] == "cpu" and "__compatible_ops__" not in vars(deepspeed.ops):
         # DeepSpeed's CPU communication backend JIT-compiles its shared-memory all-reduce op
         # (deepspeed_shm_comm, C++) at every process-group start, after probing every op's compatibility
         # with compiler subprocesses. Only `inference_all_reduce` (DeepSpeed inference) uses the op; training

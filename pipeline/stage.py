@@ -34,7 +34,7 @@ from pipeline import objectives
 from pipeline.config import StageConfig, flatten, save_resolved, validate_config
 from pipeline.data.sources import DatasetInfo, dataset_info
 from pipeline.data.transforms import IMAGENET_MEAN, IMAGENET_STD
-from pipeline.distributed import DistContext, init_distributed
+from pipeline.distributed import DistContext, init_distributed, use_accelerator
 from pipeline.exported import export_preprocessing, load_exported
 from pipeline.models.convert import check_published_architecture, load_timm_state_dict
 from pipeline.tracking import (
@@ -47,6 +47,7 @@ from pipeline.tracking import (
 )
 
 log = logging.getLogger(__name__)
+STOP_FILE = "STOP"  # a stop request: in the stage's run directory, and beside its stored checkpoints
 CONFIG_FILE = "config.yaml"  # the resolved config, in the run directory and as an MLflow artifact
 
 
@@ -192,6 +193,7 @@ def open_stage(cfg: StageConfig) -> Stage:
     The Stage's config has `cluster.use_gpu: auto` decided (from this process's CUDA) and the input
     preprocessing (`resolve_preprocessing`): read it, not `cfg`."""
     cfg = resolve_preprocessing(cfg.on_device(torch.cuda.is_available()))
+    use_accelerator(cfg.cluster.use_gpu)  # DeepSpeed's device is the stage's, or a clear error now
     ctx = init_distributed(cfg.cluster.use_gpu)
     seed_everything(cfg.seed)
     if ctx.is_main:

@@ -9,6 +9,7 @@ import dataclasses
 import importlib.util
 import io
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -41,6 +42,7 @@ from pipeline.train.engine import compile_blocks
 from pipeline.train.loop import _flops_per_image, _shutdown_loader
 
 pytestmark = pytest.mark.unit
+ROOT = Path(__file__).parents[1]
 
 # ---------------------------------------------------------------------- activation checkpointing
 
@@ -267,6 +269,95 @@ def test_use_gpu_auto_is_decided_where_the_stage_starts_with_the_precision():
     assert (fp32.cluster.use_gpu, fp32.deepspeed.precision) == (True, "fp32")
     forced = validate_config(_stage(cluster={"use_gpu": False}))
     assert forced.on_device(True) is forced
+
+
+# DeepSpeed's accelerator (DS_ACCELERATOR, read once at its import) against the stage's device: the launchers
+# import no DeepSpeed, each rank sets it from its stage, and one that names the other device is refused.
+ACCELERATOR_SCRIPT = """
+import os, sys
+import cluster.run, pipeline.train.launch  # the Ray worker's and the torchrun rank's entry points
+print("imported:", "deepspeed" in sys.modules)
+from pipeline.distributed import AcceleratorMismatch, deepspeed_module, use_accelerator
+os.environ["DS_ACCELERATOR"] = "cuda"  # left in the environment, the other device than the stage's
+try:
+    use_accelerator(False)
+except AcceleratorMismatch as exc:
+    print("refused:", exc)
+del os.environ["DS_ACCELERATOR"]
+use_accelerator(False)
+print("set:", os.environ["DS_ACCELERATOR"])
+deepspeed_module()
+from deepspeed.accelerator import get_accelerator
+print("deepspeed:", get_accelerator().device_name())
+use_accelerator(False)  # the same device again: fine
+try:
+    use_accelerator(True)
+except AcceleratorMismatch as exc:
+    print("refused:", exc)
+"""
+
+
+def test_deepspeed_takes_each_stages_device_and_refuses_a_ds_accelerator_naming_the_other():
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    script = [sys.executable, "-c", ACCELERATOR_SCRIPT]
+    proc = subprocess.run(script, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "imported: False", proc.stdout  # so a rank can still choose its accelerator
+    refused = "refused: DS_ACCELERATOR=cuda is set, but this stage runs on the CPU (cluster.use_gpu: false)"
+    assert lines[1].startswith(refused), lines[1]
+    assert "Unset DS_ACCELERATOR" in lines[1] and "cluster.use_gpu=true" in lines[1], lines[1]
+    assert lines[2:4] == ["set: cpu", "deepspeed: cpu"], proc.stdout
+    refused = "refused: DeepSpeed was imported with its cpu accelerator, but this stage runs on a GPU"
+    assert lines[4].startswith(refused), lines[4]
+
+
+def test_a_training_run_under_a_ds_accelerator_for_the_other_device_stops_at_once_naming_it(
+    smoke_dataset, tmp_path
+):
+    """Before: DeepSpeed (DS_ACCELERATOR=cuda) set a CUDA device for a CPU stage and crashed inside torch."""
+    env = {**os.environ, "DS_ACCELERATOR": "cuda"}
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "vitpipe", "train", "configs/experiments/smoke.yaml", "cluster.launcher=local",
+            f"data.train={smoke_dataset}", f"run_dir={tmp_path / 'run'}", "optim.steps=2", "optim.warmup_steps=1",
+        ],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "DS_ACCELERATOR=cuda is set, but this stage runs on the CPU" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_cpu_stage_on_a_host_with_cuda_never_starts_cuda(monkeypatch, tmp_path):
+    """Reading the CUDA RNG state, or pinning batches, starts CUDA: a CPU stage on a GPU host held a context
+    on its first GPU in every rank. Both now follow the stage's device (CUDA started by a GPU stage)."""
+    from pipeline.data.loader import make_eval_loader
+    from pipeline.train.tag import rng_state, set_rng_state
+
+    def starts_cuda(*args, **kwargs):
+        raise AssertionError("a CPU stage started CUDA")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", starts_cuda)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", starts_cuda)
+    monkeypatch.setattr(torch.cuda, "current_device", starts_cuda)
+    assert not torch.cuda.is_initialized()
+    state = rng_state()
+    assert state["cuda"] is None
+    set_rng_state({**state, "cuda": torch.zeros(16, dtype=torch.uint8)})  # saved by a GPU stage
+    set_rng_state({**state, "cuda": [torch.zeros(16, dtype=torch.uint8)]})  # the older per-device list
+    data = tmp_path / "data"
+    samples = synthetic_samples(8, 2, seed=0, width=16, height=16, val_fraction=0.5)
+    write_dataset(data, samples, class_names(2), True, 8)
+    cfg = DataConfig(train=str(data), batch_size=2, num_workers=0)
+    train = make_train_loader(dataset_info(data, "train"), cfg, rank=0, world_size=1, img_size=16, seed=0)
+    val = make_eval_loader(dataset_info(data, "val"), cfg, rank=0, world_size=1, batch_size=2, img_size=16)
+    assert not train.pin_memory and not val.pin_memory
+    pinned = make_train_loader(
+        dataset_info(data, "train"), cfg, rank=0, world_size=1, img_size=16, seed=0, pin_memory=True
+    )
+    assert pinned.pin_memory  # a GPU stage's (the loop passes its device's)
 
 
 def test_cuda_decode_needs_a_gpu_and_no_randaugment():

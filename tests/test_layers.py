@@ -56,6 +56,9 @@ LAZY_IMPORTS_IN = {
         "cluster.preflight",
     ): "imports Ray and the data stack (seconds); every vitpipe command "
     "imports cluster.submit, and only a submit whose dataset is a local path asks the cluster's nodes",
+    ("pipeline.train.launch", "pipeline.train.loop"): "imports DeepSpeed, which reads DS_ACCELERATOR once, "
+    "at its import: run_rank first sets it from the stage's device (pipeline.distributed.use_accelerator); "
+    "a Ray worker imports this module (through cluster.run) before it knows its stage",
 }
 
 # What pipeline/models may not import (the family code runs on one device, under any wrapper).

@@ -98,12 +98,16 @@ class _Loader(DataLoader):
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
-def _data_loader(stream: IterableDataset, num_workers: int, seed: int, **kw) -> DataLoader:
+def _data_loader(
+    stream: IterableDataset, num_workers: int, seed: int, pin_memory: bool = False, **kw
+) -> DataLoader:
+    """`pin_memory`: page-locked batches for a CUDA device's asynchronous copies, for a stage on a GPU only
+    (pinning starts CUDA: a CPU stage on a host with GPUs would hold a context on the first of them)."""
     return _Loader(
         stream,
         batch_size=None,  # batches are built in the workers
         num_workers=num_workers,
-        pin_memory=torch.cuda.is_available(),
+        pin_memory=pin_memory,
         # Its own generator: drawing worker seeds from the global RNG would shift the model's random
         # stream (stochastic depth) by one draw on resume, and break exactness.
         generator=torch.Generator().manual_seed(seed),
@@ -125,6 +129,7 @@ def make_train_loader(
     masks: bool = False,
     boxes: int = 0,
     deal: Deal | None = None,
+    pin_memory: bool = False,
 ) -> DataLoader:
     """The rank's training batches of `data.batch_size`, continuing at batch `start_batch` of `deal` (resume;
     `pipeline.data.deal`: which samples each rank and worker reads, and how that changes with the world size);
@@ -152,7 +157,12 @@ def make_train_loader(
     )
     workers = data.num_workers
     return _data_loader(
-        stream, workers, seed, persistent_workers=workers > 0, prefetch_factor=4 if workers > 0 else None
+        stream,
+        workers,
+        seed,
+        pin_memory,
+        persistent_workers=workers > 0,
+        prefetch_factor=4 if workers > 0 else None,
     )
 
 
@@ -168,6 +178,7 @@ def make_eval_loader(
     interpolation: str = "bilinear",
     masks: bool = False,
     boxes: int = 0,
+    pin_memory: bool = False,
 ) -> DataLoader:
     """One deterministic pass over `info`'s split; every rank yields `loader.dataset.num_batches` batches
     {"image", "target", "valid" [B] bool, "skipped"}: sum metrics over valid samples only."""
@@ -183,4 +194,4 @@ def make_eval_loader(
         masks=masks,
         boxes=boxes,
     )
-    return _data_loader(stream, data.num_workers, 0)
+    return _data_loader(stream, data.num_workers, 0, pin_memory)

@@ -375,6 +375,7 @@ def _eval_loader(cfg: StageConfig, ctx: DistContext, info: DatasetInfo, **extra)
         batch_size=cfg.eval.batch_size or cfg.data.batch_size,
         img_size=cfg.model.img_size,
         interpolation=cfg.eval.interpolation,
+        pin_memory=ctx.device.type == "cuda",
         **extra,
     )
 

@@ -10,6 +10,7 @@ import os
 import socket
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -24,9 +25,11 @@ from data_prep.synthetic import (
 )
 from data_prep.writer import write_dataset
 from pipeline.config import ConfigError, StageConfig, check_inputs, load_config
-from pipeline.distributed import shutdown_distributed
+from pipeline.distributed import shutdown_distributed, use_accelerator
 from pipeline.eval.run import evaluate  # light: matplotlib loads only when a figure is drawn
-from pipeline.train.loop import StageResult, train
+
+if TYPE_CHECKING:
+    from pipeline.train.loop import StageResult
 
 
 def prepare_data(cfg: StageConfig) -> None:
@@ -81,9 +84,15 @@ def run_rank(
     cfg: StageConfig, report: Callable[..., None] | None = None, parent_run_id: str | None = None
 ) -> StageResult | dict[str, float]:
     """This rank's part of the stage, in a process group the launcher set up (torchrun, Ray Train, or
-    launch_local): the training loop's result, or an eval stage's metrics (`kind: eval`)."""
+    launch_local): the training loop's result, or an eval stage's metrics (`kind: eval`).
+
+    DeepSpeed's accelerator is chosen here, from the stage's device, before the training loop (and with it
+    DeepSpeed) is imported: this module and cluster.run import neither (pipeline.distributed.use_accelerator)."""
+    use_accelerator(cfg.on_device(torch.cuda.is_available()).cluster.use_gpu)  # auto: as open_stage decides
     if cfg.kind == "eval":
         return evaluate(cfg, report=report, parent_run_id=parent_run_id)
+    from pipeline.train.loop import train
+
     return train(cfg, report=report, parent_run_id=parent_run_id)
 
 
@@ -134,7 +143,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(
             f"{cfg.data.train}: generate the dataset first (vitpipe shard synthetic) when running under torchrun"
         )
-    launch_local(cfg)
+    try:
+        launch_local(cfg)
+    except ConfigError as exc:  # found where the rank starts (DeepSpeed's accelerator), before any collective
+        sys.exit(f"pipeline.train.launch: {exc}")
     shutdown_distributed()
 
 

@@ -41,7 +41,14 @@ from pipeline.models import create_model
 from pipeline.models.flops import estimate_mfu, flops_per_image
 from pipeline.models.layers import checkpointed_fraction
 from pipeline.objectives import build_objective
-from pipeline.stage import init_weights, model_kwargs, open_stage, output_classes, preprocessing_of
+from pipeline.stage import (
+    STOP_FILE,
+    init_weights,
+    model_kwargs,
+    open_stage,
+    output_classes,
+    preprocessing_of,
+)
 from pipeline.train import checkpoint, reshard
 from pipeline.train.ema import WeightEma
 from pipeline.train.engine import build_engine, consolidated_state_dict, peak_lr
@@ -50,7 +57,6 @@ from pipeline.train.saving import Checkpointer
 from pipeline.train.tag import read_record, tag_for
 
 log = logging.getLogger(__name__)
-STOP_FILE = "STOP"
 PROGRESS_LINES = 20  # a stage prints a progress line about every 1/20 of its steps...
 PROGRESS_MAX_SILENCE_S = 60.0  # ...and at a log step at least once a minute on a long run
 
@@ -398,6 +404,7 @@ class Trainer:
             seed=cfg.seed,
             start_batch=self.deal.rank_batches(self.start),
             masks=cfg.objective.name == "segmentation",
+            pin_memory=self.ctx.device.type == "cuda",
             boxes=self.model.num_queries
             if cfg.objective.name == "detection"
             else 0,  # one object a query at most

@@ -42,12 +42,14 @@ def tag_for(step: int) -> str:
 
 def rng_state() -> dict:
     """This rank's random states. CUDA: the rank's own device only (the current one), so a resume on a
-    node with another GPU count restores it; a list of every visible device's state would not fit there."""
+    node with another GPU count restores it; a list of every visible device's state would not fit there.
+    Only where the rank uses CUDA (a GPU stage has started it): reading the state would start CUDA, and a CPU
+    stage on a host with GPUs would hold a context on the first of them."""
     return {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None,
     }
 
 
@@ -57,9 +59,9 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     cuda = state["cuda"]
     if isinstance(cuda, list):  # written before: every visible device's state; this rank's is its own
-        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        index = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
         cuda = cuda[index] if index < len(cuda) else None
-    if cuda is not None and torch.cuda.is_available():  # saved on CPU or resumed on CPU: nothing to restore
+    if cuda is not None and torch.cuda.is_initialized():  # saved on CPU or resumed on CPU: nothing to do
         torch.cuda.set_rng_state(cuda)
 
 
