@@ -360,6 +360,60 @@ def test_a_cpu_stage_on_a_host_with_cuda_never_starts_cuda(monkeypatch, tmp_path
     assert pinned.pin_memory  # a GPU stage's (the loop passes its device's)
 
 
+def test_bf16_models_hand_their_losses_and_metrics_fp32_values():
+    """Under bf16 weights (the GPU default) what losses and metrics read is fp32: SETR's upsampled logits
+    (on CUDA the bilinear backward sums about (2p)^2 atomic adds in the logits' dtype), DETR's boxes (bf16 puts
+    a centre within 2^-8 of the side), MAE's and SimMIM's losses (as the reference's, targets in fp32), and
+    an evaluation's head under bf16 autocast (bf16 logits tie)."""
+    from pipeline.eval.run import embed_split
+    from pipeline.models.mae import patchify
+
+    torch.manual_seed(0)
+    images = torch.randn(2, 3, 32, 32)
+    setr = create_model("setr_naive_vit_debug", num_classes=3, img_size=32).to(torch.bfloat16)
+    logits = setr(images.to(torch.bfloat16))
+    assert logits.dtype == torch.float32 and logits.shape == (2, 3, 32, 32)
+    logits.sum().backward()  # the upsample's backward reaches the bf16 classifier
+    assert setr.classifier.weight.grad is not None
+    detr = create_model("detr_vit_debug", num_classes=3, img_size=32).to(torch.bfloat16)
+    classes, boxes = detr(images.to(torch.bfloat16))
+    assert boxes.dtype == torch.float32 and classes.dtype == torch.bfloat16
+
+    mae = create_model("mae_vit_debug", img_size=32, norm_pix_loss=True).to(torch.bfloat16)
+    x = images.to(torch.bfloat16)
+    p = mae.patch_size
+    n = (32 // p) ** 2
+    pred = torch.randn(2, n, p * p * 3, dtype=torch.bfloat16)  # [B, N, p*p*C]
+    mask = (torch.rand(2, n) < 0.75).float()
+    target = patchify(x.float(), p)
+    target = (target - target.mean(-1, keepdim=True)) / (target.var(-1, keepdim=True) + 1e-6) ** 0.5
+    expected = (((pred.float() - target) ** 2).mean(-1) * mask).sum() / mask.sum()
+    assert torch.equal(mae.forward_loss(x, pred, mask), expected)
+
+    simmim = create_model("simmim_swin_debug", img_size=64).to(torch.bfloat16)
+    x = torch.randn(13, 3, 64, 64).to(torch.bfloat16)
+    loss, rec, masked = simmim(x, generator=torch.Generator().manual_seed(0))
+    p = simmim.patch_size
+    weight = masked.repeat_interleave(p, 1).repeat_interleave(p, 2).unsqueeze(1).float()
+    l1 = (rec.float() - x.float()).abs()
+    assert weight.sum() != weight.to(torch.bfloat16).sum().float()  # a count bf16 cannot hold exactly
+    assert torch.equal(loss, (l1 * weight).sum() / (weight.sum() * 3 + 1e-5))
+
+    vit = create_model("vit_debug", num_classes=5, img_size=32).eval()
+    torch.nn.init.normal_(vit.head.weight, std=2.0)  # initialised to zero: logits far from it, as trained
+    batch = {"image": (images.clamp(-1, 1) * 100 + 128).to(torch.uint8), "target": torch.zeros(2)}
+    batch |= {"valid": torch.ones(2, dtype=torch.bool), "key": ["a", "b"]}
+    found = embed_split(vit, [batch], torch.device("cpu"), with_logits=True, amp_dtype=torch.bfloat16)
+    from pipeline.data.transforms import IMAGENET_MEAN, IMAGENET_STD, normalize
+
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            tokens = vit.forward_features(normalize(batch["image"], IMAGENET_MEAN, IMAGENET_STD))
+            assert vit.forward_head(tokens).dtype == torch.bfloat16  # the head, left under autocast
+        head = vit.forward_head(tokens.float())
+    assert torch.equal(found.logits, head) and found.logits.dtype == torch.float32
+
+
 def test_cuda_decode_needs_a_gpu_and_no_randaugment():
     with pytest.raises(ConfigError, match="data.decode: cuda .* cluster.use_gpu"):
         validate_config(_stage(data={"train": "/x", "decode": "cuda"}, cluster={"use_gpu": False}))

@@ -54,6 +54,8 @@ CASES: list[tuple[str, str, dict]] = [
     ("vit_debug", "supervised_softmax", {"pool": "gap", "pos_embed": "sincos2d"}),
     ("vit_debug", "supervised_softmax", {"patch_dropout": 0.5}),
     ("mae_vit_debug", "mae", {"pos_embed": "learned", "norm_pix_loss": True}),
+    # Masked patch prediction embeds its own (corrupted) patches: a fixed sincos table is an fp32 buffer.
+    ("mpp_vit_debug", "masked_patch_prediction", {"pos_embed": "sincos2d"}),
 ]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

@@ -131,9 +131,12 @@ def embed_split(
         x = normalize(batch["image"].to(device, non_blocking=True), mean, std)  # [B, 3, H, W] float32
         with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
             tokens = model.forward_features(x)  # [B, T, D]
-            feats.append(model.forward_head(tokens, pre_logits=True).float().cpu())  # [B, D]
-            if with_logits:
-                logits.append(model.forward_head(tokens).float().cpu())  # [B, K]
+        # The head in fp32, outside autocast (the weights are fp32 here): bf16 logits (steps of 1/16 at
+        # |logit| 8-16) tied scores, which top-k breaks by class index and AP merges into one threshold.
+        tokens = tokens.float()
+        feats.append(model.forward_head(tokens, pre_logits=True).cpu())  # [B, D]
+        if with_logits:
+            logits.append(model.forward_head(tokens).cpu())  # [B, K]
         targets.append(batch["target"])
         valid.append(batch["valid"])
         keys.extend(batch["key"])

@@ -212,7 +212,9 @@ class MaskedAutoencoderViT(nn.Module):
 
     def forward_loss(self, imgs: torch.Tensor, pred: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Mean squared error over the removed patches only (visible ones are copied, not predicted)."""
-        target = patchify(imgs, self.patch_size)  # [B, N, p*p*C]
+        # fp32, as the reference's loss (its targets stay fp32 under autocast): bf16 weights give bf16 inputs.
+        target = patchify(imgs.float(), self.patch_size)  # [B, N, p*p*C]
+        pred = pred.float()
         if self.norm_pix_loss:
             # Per-patch normalised pixels: the paper's better-representation variant.
             mean = target.mean(dim=-1, keepdim=True)

@@ -132,8 +132,8 @@ class MaskedPatchPredictionViT(nn.Module):
         # Corrupt before adding position: a swapped patch brings its content, not its position.
         x, what = corrupt_patches(x, self.mask_token, self.corrupt_ratio, generator)
         pos = enc.patch_pos_embed()
-        if pos is not None:
-            x = x + pos
+        if pos is not None:  # a fixed sincos table is a buffer, fp32 under bf16 weights: cast as vit.py does
+            x = x + pos.to(x.dtype)
         prefix = enc.prefix_tokens(x.shape[0])
         if prefix is not None:
             x = torch.cat([prefix, x], dim=1)  # [B, P+N, D]

@@ -95,7 +95,10 @@ class SETR(nn.Module):
         """Images [B, 3, H, W] -> per-pixel class logits [B, num_classes, H, W]."""
         y = self.classifier(self.decode_head(self.patch_features(x)))
         if y.shape[-2:] != x.shape[-2:]:
-            y = F.interpolate(y, size=x.shape[-2:], mode="bilinear", align_corners=False)
+            # In fp32: on CUDA the bilinear backward sums each low-resolution pixel's gradient with atomic
+            # adds in the tensor's dtype, about (2p)^2 of them at the naive decoder's x p (1,024 at p 16):
+            # in bf16 that lost a large part of the sum. The objective reads the logits in fp32 anyway.
+            y = F.interpolate(y.float(), size=x.shape[-2:], mode="bilinear", align_corners=False)
         return y
 
     # ------------------------------------------------------------------ FLOPs

@@ -91,7 +91,7 @@ class SimMIM(nn.Module):
         mask = self.random_mask(imgs.shape[0], imgs.device, generator)
         rec = self.decoder(self.encoder.forward_mim(imgs, mask))  # [B, C, H, W]
         pixels = mask.repeat_interleave(self.patch_size, 1).repeat_interleave(self.patch_size, 2)
-        weight = pixels.unsqueeze(1).to(imgs.dtype)  # [B, 1, H, W]
+        weight = pixels.unsqueeze(1).float()  # [B, 1, H, W]; fp32: a bf16 sum of ~1e6 pixels is 0.4% off
         l1 = F.l1_loss(rec.float(), imgs.float(), reduction="none")
         loss = (l1 * weight).sum() / (weight.sum() * self.in_chans + 1e-5)
         return loss, rec, mask
