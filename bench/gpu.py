@@ -1,7 +1,7 @@
 """GPU training throughput, MFU and peak memory for the reference models, and the loader with CPU and CUDA
 decode, on whatever GPU this machine has: one short run that fits a few minutes of borrowed device time.
 
-    DS_ACCELERATOR=cuda .venv/bin/python bench/gpu.py          # default cases: bench/results/gpu-<device>.json
+    .venv/bin/python bench/gpu.py                              # default cases: bench/results/gpu-<device>.json
     .venv/bin/python bench/gpu.py --list                       # the cases, their settings and time caps
     .venv/bin/python bench/gpu.py --cases vit_b16,loader_cuda  # only these (`all`: the opt-in ones too)
     .venv/bin/python bench/gpu.py --dry-run                    # the same code on CPU, debug models (CI runs it)
@@ -414,8 +414,7 @@ def _stderr_tail(text: str, n: int = 12) -> list[str]:
 def run_case(kind: str, spec: dict, timeout: float) -> dict:
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    if not spec.get("gpu"):
-        env.setdefault("DS_ACCELERATOR", "cpu")
+    env["DS_ACCELERATOR"] = "cuda" if spec.get("gpu") else "cpu"  # the case's device, whatever is exported
     with tempfile.TemporaryDirectory() as tmp:
         result_path = Path(tmp) / "result.json"
         cmd = [

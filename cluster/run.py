@@ -105,7 +105,7 @@ def connect(address: str | None) -> None:
     """Join the cluster (`address`, RAY_ADDRESS, or inside a Ray job), else start a private local Ray.
 
     No runtime_env here: inside a job it would conflict with the job's own, and workers need none
-    (the engine picks DS_ACCELERATOR from what the worker sees).
+    (each rank sets DeepSpeed's accelerator from its stage: pipeline.distributed.use_accelerator).
     """
     if ray.is_initialized():
         return

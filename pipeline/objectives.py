@@ -138,7 +138,8 @@ class MaskedAutoencoder(_Objective):
         pass
 
     def loss(self, model, batch):
-        images = self.pixels(model, batch["image"])
+        # fp32: the model casts what its encoder reads; its pixel targets stay fp32, as the reference's.
+        images = normalize(batch["image"], self.mean, self.std)
         loss, _, mask = model(images, generator=_generator(batch, images.device))
         return loss, {"mask_ratio": mask.float().mean().detach()}
 

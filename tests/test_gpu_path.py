@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 import yaml
 from conftest import history, torchrun  # shared with the other torchrun tests
 from PIL import Image
@@ -370,32 +371,44 @@ def test_bf16_models_hand_their_losses_and_metrics_fp32_values():
 
     torch.manual_seed(0)
     images = torch.randn(2, 3, 32, 32)
-    setr = create_model("setr_naive_vit_debug", num_classes=3, img_size=32).to(torch.bfloat16)
-    logits = setr(images.to(torch.bfloat16))
-    assert logits.dtype == torch.float32 and logits.shape == (2, 3, 32, 32)
-    logits.sum().backward()  # the upsample's backward reaches the bf16 classifier
-    assert setr.classifier.weight.grad is not None
+    for decoder in ("naive", "pup"):
+        setr = create_model(f"setr_{decoder}_vit_debug", num_classes=3, img_size=32).to(torch.bfloat16)
+        logits = setr(images.to(torch.bfloat16))
+        assert logits.dtype == torch.float32 and logits.shape == (2, 3, 32, 32), decoder
+        logits.sum().backward()  # the upsample's backward reaches the bf16 classifier
+        assert setr.classifier.weight.grad is not None
+        setr = create_model(f"setr_{decoder}_vit_debug", num_classes=3, img_size=32).eval()
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # an evaluation's
+            evaluated = setr(images)
+            features = setr.decode_head(setr.patch_features(images))
+        assert features.dtype == torch.bfloat16  # the body did run under autocast...
+        expected = F.interpolate(setr.classifier(features.float()), size=(32, 32), mode="bilinear")
+        assert torch.equal(evaluated, expected)  # ...the classifier in fp32
     detr = create_model("detr_vit_debug", num_classes=3, img_size=32).to(torch.bfloat16)
     classes, boxes = detr(images.to(torch.bfloat16))
-    assert boxes.dtype == torch.float32 and classes.dtype == torch.bfloat16
+    assert boxes.dtype == torch.float32 and classes.dtype == torch.bfloat16  # training: the weights' dtype
+    detr = create_model("detr_vit_debug", num_classes=3, img_size=32).eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        classes, boxes = detr(images)
+    assert classes.dtype == boxes.dtype == torch.float32  # an evaluation's: fp32 scores, no bf16 ties
 
+    # MAE and SimMIM: bf16 weights, fp32 images (as the objective passes them): the targets are those.
+    x = images  # fp32
     mae = create_model("mae_vit_debug", img_size=32, norm_pix_loss=True).to(torch.bfloat16)
-    x = images.to(torch.bfloat16)
-    p = mae.patch_size
-    n = (32 // p) ** 2
-    pred = torch.randn(2, n, p * p * 3, dtype=torch.bfloat16)  # [B, N, p*p*C]
-    mask = (torch.rand(2, n) < 0.75).float()
-    target = patchify(x.float(), p)
+    loss, pred, mask = mae(x, generator=torch.Generator().manual_seed(0))
+    assert pred.dtype == torch.bfloat16  # the model did run in bf16
+    target = patchify(x, mae.patch_size)
     target = (target - target.mean(-1, keepdim=True)) / (target.var(-1, keepdim=True) + 1e-6) ** 0.5
     expected = (((pred.float() - target) ** 2).mean(-1) * mask).sum() / mask.sum()
-    assert torch.equal(mae.forward_loss(x, pred, mask), expected)
+    assert torch.equal(loss, expected)
 
     simmim = create_model("simmim_swin_debug", img_size=64).to(torch.bfloat16)
-    x = torch.randn(13, 3, 64, 64).to(torch.bfloat16)
+    x = torch.randn(13, 3, 64, 64)
     loss, rec, masked = simmim(x, generator=torch.Generator().manual_seed(0))
+    assert rec.dtype == torch.bfloat16
     p = simmim.patch_size
     weight = masked.repeat_interleave(p, 1).repeat_interleave(p, 2).unsqueeze(1).float()
-    l1 = (rec.float() - x.float()).abs()
+    l1 = (rec.float() - x).abs()
     assert weight.sum() != weight.to(torch.bfloat16).sum().float()  # a count bf16 cannot hold exactly
     assert torch.equal(loss, (l1 * weight).sum() / (weight.sum() * 3 + 1e-5))
 
@@ -594,10 +607,10 @@ def test_batched_crop_launches_as_many_ops_for_any_batch_size():
     assert counts[0] == counts[1] < 70, counts
 
 
-def _encoded_loader(root: Path):
+def _encoded_loader(root: Path, pin_memory: bool = False):
     info = dataset_info(root, "train")
     data = DataConfig(train="-", batch_size=13, num_workers=0, shuffle_buffer=0, min_scale=0.3, decode="cuda")
-    return make_train_loader(info, data, rank=0, world_size=1, img_size=32, seed=5)
+    return make_train_loader(info, data, rank=0, world_size=1, img_size=32, seed=5, pin_memory=pin_memory)
 
 
 def test_prefetcher_yields_the_plain_paths_batches_in_order(tmp_path):
@@ -672,7 +685,8 @@ def test_prefetcher_on_cuda_matches_the_cpu_path(tmp_path):
     cpu, gpu = torch.device("cpu"), torch.device("cuda", torch.cuda.current_device())
     plain_it, plain_decode = iter(_encoded_loader(root)), DeviceDecode(cpu, 32, pil_decoder(cpu))
     plain = [plain_decode(next(plain_it)) for _ in range(4)]
-    batches, to_device = prefetch(iter(_encoded_loader(root)), DeviceDecode(gpu, 32, pil_decoder(gpu)), gpu)
+    pinned = _encoded_loader(root, pin_memory=True)  # as a GPU stage's loop makes it
+    batches, to_device = prefetch(iter(pinned), DeviceDecode(gpu, 32, pil_decoder(gpu)), gpu)
     for expected in plain:
         batch = to_device(next(batches))
         assert batch["image"].device == gpu and batch["key"] == expected["key"]

@@ -5,6 +5,7 @@ own node's checkpoints at the same paths, as on a GPU cluster with node-local NV
 
 import json
 import os
+import random
 import re
 import shlex
 import shutil
@@ -29,10 +30,25 @@ pytestmark = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def _rendezvous_port() -> int:
+    """A free port below the kernel's ephemeral range. The nodes' agents bind the rendezvous store seconds
+    after the port is chosen; a port from bind(0) lies in the range the kernel meanwhile hands to every
+    outgoing connection on the machine (the suite's S3, MLflow and Ray clients): seen on CI as EADDRINUSE
+    at rendezvous. Below the range only another listener could take it."""
+    low = int(EPHEMERAL.read_text().split()[0]) if EPHEMERAL.is_file() else 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 10000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below {low}")
 
 
 def nodes(
@@ -41,7 +57,7 @@ def nodes(
     """`script ARGS` on a torchrun of one node per disk (`per_node` ranks each), node K seeing disks[K] at
     run_root. Returns each node's output; on failure or timeout every node's process group is killed."""
     run_root.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = _rendezvous_port()
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     procs = []
     for node, disk in enumerate(disks):

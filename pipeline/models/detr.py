@@ -166,8 +166,12 @@ class DETR(nn.Module):
             q = layer(q, query_pos, memory, memory_pos)
             outputs.append(self.norm(q))
         out = torch.stack(outputs)  # [L, B, Q, d]
-        # Boxes in fp32: a bf16 sigmoid in [0.5, 1) moves in steps of 2^-8 of the image side (2.6 px at 1333).
-        return self.class_head(out), self.box_head(out).float().sigmoid()
+        # The heads at their weights' precision, outside autocast: an evaluation (fp32 weights, bf16 autocast)
+        # would otherwise rank bf16 scores, whose ties AP merges. Boxes in fp32 whatever the weights: a bf16
+        # sigmoid in [0.5, 1) moves in steps of 2^-8 of the image side (5.2 px at 1333).
+        with torch.autocast(out.device.type, enabled=False):
+            out = out.to(self.class_head.weight.dtype)
+            return self.class_head(out), self.box_head(out).float().sigmoid()
 
     # ------------------------------------------------------------------ FLOPs
 

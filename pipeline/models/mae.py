@@ -212,8 +212,7 @@ class MaskedAutoencoderViT(nn.Module):
 
     def forward_loss(self, imgs: torch.Tensor, pred: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Mean squared error over the removed patches only (visible ones are copied, not predicted)."""
-        # fp32, as the reference's loss (its targets stay fp32 under autocast): bf16 weights give bf16 inputs.
-        target = patchify(imgs.float(), self.patch_size)  # [B, N, p*p*C]
+        target = patchify(imgs.float(), self.patch_size)  # [B, N, p*p*C], in fp32 as the reference's
         pred = pred.float()
         if self.norm_pix_loss:
             # Per-patch normalised pixels: the paper's better-representation variant.
@@ -229,7 +228,11 @@ class MaskedAutoencoderViT(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> (loss, pred [B, N, p*p*C], mask [B, N] with 1 = removed)."""
         ratio = self.mask_ratio if mask_ratio is None else mask_ratio
-        latent, mask, ids_restore = self.forward_encoder(imgs, ratio, generator)
+        # The encoder reads the images in its weights' dtype; the targets are the images as given (fp32 from
+        # the objective, as the reference's targets stay fp32 under autocast: bf16 pixels, normalised per
+        # patch, turned a flat patch's rounding into its target).
+        dtype = self.decoder_pred.weight.dtype
+        latent, mask, ids_restore = self.forward_encoder(imgs.to(dtype), ratio, generator)
         pred = self.forward_decoder(latent, ids_restore)
         return self.forward_loss(imgs, pred, mask), pred, mask
 

@@ -93,13 +93,17 @@ class SETR(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Images [B, 3, H, W] -> per-pixel class logits [B, num_classes, H, W]."""
-        y = self.classifier(self.decode_head(self.patch_features(x)))
+        features = self.decode_head(self.patch_features(x))
+        # The classifier at its weights' precision, outside autocast: an evaluation (fp32 weights, bf16
+        # autocast) would otherwise take the argmax of bf16 logits, whose ties go to the lowest class.
+        with torch.autocast(x.device.type, enabled=False):
+            y = self.classifier(features.to(self.classifier.weight.dtype))
         if y.shape[-2:] != x.shape[-2:]:
             # In fp32: on CUDA the bilinear backward sums each low-resolution pixel's gradient with atomic
             # adds in the tensor's dtype, about (2p)^2 of them at the naive decoder's x p (1,024 at p 16):
-            # in bf16 that lost a large part of the sum. The objective reads the logits in fp32 anyway.
+            # in bf16 that lost a large part of the sum.
             y = F.interpolate(y.float(), size=x.shape[-2:], mode="bilinear", align_corners=False)
-        return y
+        return y.float()  # per-pixel logits in fp32 from either decoder, as the objective and metrics read
 
     # ------------------------------------------------------------------ FLOPs
 

@@ -89,7 +89,10 @@ class SimMIM(nn.Module):
         if imgs.shape[-2:] != (self.img_size, self.img_size):
             raise ValueError(f"SimMIM was built for {self.img_size}px, got {tuple(imgs.shape[-2:])}")
         mask = self.random_mask(imgs.shape[0], imgs.device, generator)
-        rec = self.decoder(self.encoder.forward_mim(imgs, mask))  # [B, C, H, W]
+        # The encoder reads the images in its weights' dtype; the L1 target is the images as given (fp32 from
+        # the objective, as MAE's).
+        dtype = self.decoder[0].weight.dtype
+        rec = self.decoder(self.encoder.forward_mim(imgs.to(dtype), mask))  # [B, C, H, W]
         pixels = mask.repeat_interleave(self.patch_size, 1).repeat_interleave(self.patch_size, 2)
         weight = pixels.unsqueeze(1).float()  # [B, 1, H, W]; fp32: a bf16 sum of ~1e6 pixels is 0.4% off
         l1 = F.l1_loss(rec.float(), imgs.float(), reduction="none")

@@ -9,7 +9,12 @@ GPU defaults (`deepspeed_config`, `build_engine`):
 - gradients reduced across ranks in fp32 under bf16 (`communication_data_type`): a bf16
   all-reduce or reduce-scatter sums N ranks' gradients with 8 mantissa bits, the error torchtitan and
   FSDP's `reduce_dtype=float32` avoid; it doubles the reduction's bytes, which `overlap_comm` hides
-  behind the backward pass (on for ZeRO 1-3);
+  behind the backward pass (on for ZeRO 1-3). The reduced gradients are kept, and summed over the
+  micro-steps of `deepspeed.grad_accum`, in the weights' dtype (bf16). DeepSpeed's fp32 accumulation
+  (`data_types.grad_accum_dtype`) is not set: under ZeRO-2/3 it costs 2 more bytes per parameter spread
+  over the ranks (estimated, not measured: bench/zero_memory.py's ZeRO-3 ratio from 0.53 to about 0.59, over
+  its 0.55 goal), ZeRO-1 would change optimizer (and checkpoint layout) and ZeRO-0 refuses it. It matters
+  where grad_accum is large: prefer more ranks or a larger micro-batch to a long accumulation in bf16;
 - `model.compile` compiles each transformer block (`compile_blocks`), for every ZeRO stage; it pays where
   a block's parameters are whole (ZeRO 0-2): ZeRO-3's gathering hooks on every submodule are
   `torch.compiler.disable`d, so they break a compiled block into pieces.

@@ -116,6 +116,7 @@ def _single_process_group() -> None:
 def launch_local(cfg: StageConfig) -> StageResult | dict[str, float]:
     """One process, or one rank of a torchrun job (torchrun sets RANK/WORLD_SIZE/MASTER_*)."""
     cfg = cfg.on_device(torch.cuda.is_available())  # cluster.use_gpu: auto
+    use_accelerator(cfg.cluster.use_gpu)  # refused now, before a process group or data generation
     if "WORLD_SIZE" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
