@@ -43,6 +43,7 @@ from pipeline.models.boxes import (
 from pipeline.models.convert import CheckpointMismatch
 from pipeline.models.detr import detections
 from pipeline.models.flops import flops_per_image
+from pipeline.models.pos_embed import sincos_2d
 from pipeline.objectives import Detection
 
 REPO = Path(__file__).resolve().parents[1]
@@ -383,6 +384,19 @@ def test_detr_takes_every_plain_vit_variant_as_backbone(overrides):
     loss, _ = Detection(ObjectiveConfig(name="detection")).loss(model, _layout_batch(2, 48))
     loss.backward()
     assert torch.isfinite(loss) and model.encoder.blocks[0].attn.qkv.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.unit
+def test_detr_makes_the_memory_position_code_once_per_grid_and_dtype():
+    """The decoder's fixed sin-cos code of the memory is made once per grid, width, device and dtype, then
+    reused (made every step it was a blocking host-to-GPU copy), and is the code made afresh."""
+    model = create_model("detr_vit_debug", num_classes=3, img_size=48)
+    side = 48 // model.patch_size
+    _, first = model.memory(torch.randn(2, 3, 48, 48))
+    _, again = model.memory(torch.randn(1, 3, 48, 48))
+    assert again is first and torch.equal(first[0], sincos_2d(side, side, first.shape[-1]))
+    _, bf16 = model.bfloat16().memory(torch.randn(1, 3, 48, 48, dtype=torch.bfloat16))
+    assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, first.bfloat16())
 
 
 @pytest.mark.unit

@@ -183,6 +183,32 @@ def test_compile_applies_to_each_transformer_block_not_the_whole_model(name):
     assert list(model.state_dict()) == keys
 
 
+COMPILED_SHAPES = {  # name -> (overrides, image side): the debug families, and two of the real depths
+    **{name: ({}, 32) for name in FAMILIES},
+    "vit_debug@depth32": ({"depth": 32}, 32),  # ViT-H's depth, its own ramp of drop path rates
+    "swin_b@narrow": ({"embed_dim": 32, "num_heads": (1, 2, 4, 8)}, 224),  # Swin-B's stages and windows
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMPILED_SHAPES))
+def test_compiled_blocks_with_stochastic_depth_stay_compiled(name):
+    """model.compile with drop_path_rate > 0 (each block its own rate): a training step compiles every block
+    without reaching dynamo's recompile limit, past which the remaining blocks would silently run eager; the
+    blocks of a ViT (32 of them here) share one graph beside the first, which has no drop path. Traced with
+    the eager backend: the guards and graphs are dynamo's whatever the backend, without a C++ compile."""
+    overrides, side = COMPILED_SHAPES[name]
+    model = create_model(name.split("@")[0], drop_path_rate=0.2, **overrides).train()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    assert compile_blocks(model, backend="eager") == len(transformer_blocks(model))
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        _loss(model, FAMILIES.get(name, "classify"), torch.randn(2, 3, side, side)).backward()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    if name.startswith("vit_debug"):
+        assert graphs == 2, f"{name}: {graphs} graphs for {len(model.blocks)} blocks of one shape"
+    torch._dynamo.reset()
+
+
 def test_a_model_without_checkpointable_blocks_is_named():
     assert set_grad_checkpointing(torch.nn.Linear(2, 2)) == 0
 
@@ -698,6 +724,33 @@ def test_prefetcher_on_cuda_matches_the_cpu_path(tmp_path):
     assert idle is not None and idle >= 0
     _shutdown_loader(batches)
     assert not batches._thread.is_alive()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["mae_vit_debug", "mpp_vit_debug", "simmim_swin_debug"])
+def test_masking_wrappers_take_a_cpu_generator_with_cuda_images(name):
+    """The documented call (`model(imgs, generator=torch.Generator().manual_seed(seed))`) on a CUDA model:
+    the mask is drawn on the generator's device and moved, the same mask as the CPU model's."""
+    torch.manual_seed(0)
+    model = create_model(name).train()
+    images = torch.randn(2, 3, 32, 32)
+    masks = {}
+    for device in ("cpu", "cuda"):
+        model.to(device)
+        masks[device] = _loss_and_mask(model, FAMILIES[name], images.to(device))
+    assert masks["cuda"].device.type == "cuda" and torch.equal(masks["cuda"].cpu(), masks["cpu"])
+
+
+def _loss_and_mask(model, kind: str, images: torch.Tensor) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)  # on the CPU, whatever the model's device
+    if kind == "mpp":
+        targets = torch.randint(0, 512, (images.shape[0], model.encoder.patch_embed.num_patches))
+        loss, *_, mask = model(images, targets.to(images.device), generator=g)
+    else:
+        loss, _, mask = model(images, generator=g)
+    assert torch.isfinite(loss)
+    return mask
 
 
 # ---------------------------------------------------------------------- torch.compile in the engine

@@ -134,6 +134,7 @@ class DETR(nn.Module):
             raise ValueError(f"decoder_dim {d}: the 2-D sin-cos position code needs a multiple of 4")
         self.input_proj = nn.Linear(self.encoder.embed_dim, d)
         self.query_pos = nn.Parameter(torch.randn(num_queries, d))  # DETR's nn.Embedding: N(0, 1)
+        self._memory_pos: dict[tuple, torch.Tensor] = {}  # (grid, width, device, dtype) -> [1, N, d]
         self.layers = nn.ModuleList(
             DecoderLayer(d, decoder_heads, decoder_mlp_dim, first=i == 0) for i in range(decoder_depth)
         )
@@ -150,8 +151,15 @@ class DETR(nn.Module):
         h, w = x.shape[-2] // self.patch_size, x.shape[-1] // self.patch_size
         tokens = enc.fc_norm(enc.forward_features(x)[:, enc.num_prefix_tokens :])  # [B, N, D]
         memory = self.input_proj(tokens)
-        # fixed, made in fp32 and joined in the activations' dtype (a bf16 engine leaves buffers fp32)
-        pos = sincos_2d(h, w, memory.shape[-1]).to(device=memory.device, dtype=memory.dtype)[None]
+        # Fixed: made in fp32 and joined in the activations' dtype (a bf16 engine leaves buffers fp32), once per
+        # grid and device. Made on every step it was a blocking copy from pageable memory to the GPU: the host
+        # waited there for the encoder's forward before it could queue the decoder.
+        key = (h, w, memory.shape[-1], memory.device, memory.dtype)
+        pos = self._memory_pos.get(key)
+        if pos is None:
+            pos = self._memory_pos[key] = sincos_2d(h, w, key[2]).to(
+                device=memory.device, dtype=memory.dtype
+            )[None]
         return memory, pos
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -244,18 +244,23 @@ class LayerScale(nn.Module):
 
 
 class DropPath(nn.Module):
-    """Stochastic depth: drop the whole residual branch per sample (scaled to keep the expectation)."""
+    """Stochastic depth: drop the whole residual branch per sample (scaled to keep the expectation).
+
+    The keep probability is a 0-dim buffer (not saved), not a Python float: torch.compile treats a module's
+    float attribute as a constant of the graph, so every block's own rate (a linear ramp over depth) would
+    compile a graph of its own, and past dynamo's recompile limit (8) the remaining blocks would run eager.
+    """
 
     def __init__(self, p: float):
         super().__init__()
         self.p = p
+        self.register_buffer("keep", torch.tensor(1.0 - p), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.p == 0.0 or not self.training:
+        if not self.training:
             return x
-        keep = 1.0 - self.p
-        mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
-        return x * mask / keep
+        mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(self.keep)
+        return x * mask / self.keep
 
     def extra_repr(self) -> str:
         return f"p={self.p:.3f}"

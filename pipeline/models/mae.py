@@ -64,8 +64,9 @@ def random_masking(
     """
     B, N, D = x.shape
     len_keep = kept_patches(N, mask_ratio)
-    # Draw on the generator's own device (a CPU generator cannot fill a CUDA tensor), then move:
-    # the mask then depends only on the seed, not on where the model runs.
+    # Draw on the generator's own device (a CPU generator cannot fill a CUDA tensor), then move: the mask
+    # depends on the generator alone. (The objective's generator is on the images' device, and CUDA's
+    # Philox draws other numbers than the CPU's generator: a GPU run's masks are not a CPU run's.)
     device = generator.device if generator is not None else x.device
     noise = torch.rand(B, N, generator=generator, device=device).to(x.device)  # [B, N] in [0, 1)
 

@@ -74,7 +74,9 @@ class SimMIM(nn.Module):
         side = self.img_size // self.mask_patch_size
         cells = side * side
         count = math.ceil(cells * self.mask_ratio)
-        noise = torch.rand(batch, cells, device=device, generator=generator)
+        # Drawn on the generator's own device, then moved (as MAE's): a CPU generator cannot fill a CUDA tensor.
+        where = generator.device if generator is not None else device
+        noise = torch.rand(batch, cells, device=where, generator=generator).to(device)
         rank = noise.argsort(dim=1).argsort(dim=1)  # each cell's position in a random order
         coarse = (rank < count).reshape(batch, side, side)
         scale = self.mask_patch_size // self.patch_size

@@ -116,18 +116,19 @@ def deepspeed_config(cfg: StageConfig, world_size: int, use_gpu: bool, num_param
     }
 
 
-def compile_blocks(module: nn.Module) -> int:
+def compile_blocks(module: nn.Module, backend: str = "inductor") -> int:
     """torch.compile each transformer block in place (`nn.Module.compile`); returns how many.
 
     Per block, as torchtitan does, not the whole model: identical blocks share one compiled graph (torch
-    2.5+ treats a module's parameters as graph inputs), so ViT-H's 32 blocks compile once; the code between
+    2.5+ treats a module's parameters and buffers as graph inputs, and DropPath keeps its rate in a buffer), so
+    ViT-H's 32 blocks compile once (twice: the first has no drop path); the code between
     blocks (embedding, masking, heads) stays eager, where shapes and Python control flow change per step
     (MAE's masking, patch dropout) and would recompile. Activation checkpointing wraps the compiled block.
     State dict keys do not change.
     """
     blocks = transformer_blocks(module)
     for block in blocks:
-        block.compile()
+        block.compile(backend=backend)
     return len(blocks)
 
 
