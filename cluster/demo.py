@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from cluster import local
 from cluster.run import finished
 from pipeline.config import load_experiment
@@ -105,6 +107,16 @@ def submit(overrides: list[str]) -> None:
     shutil.rmtree(f"{temp_dir}-worker1", ignore_errors=True)
 
 
+def device_overrides(gpus: int, workers: int) -> list[str]:
+    """The demo's device on a machine with `gpus` GPUs. cluster.local's head offers them all (its other node
+    none), so `cluster.use_gpu: auto` decides well with none (CPU) or one per worker (GPUs); with fewer than
+    the workers it would choose GPUs and wait for the missing ones: the demo runs on the CPU instead."""
+    if 0 < gpus < workers:
+        print(f"this machine has {gpus} GPU(s) for the demo's {workers} workers: the demo runs on the CPU")
+        return ["cluster.use_gpu=false"]
+    return []
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         return _demo(argv)
@@ -140,6 +152,8 @@ def _demo(argv: list[str] | None) -> int:
             for s in ("finetune", "finetune_scratch")
         ),
     ]
+    workers = max(cfg.cluster.max_workers for _, cfg in load_experiment(ROOT / CONFIG, overrides).stages)
+    overrides += device_overrides(torch.cuda.device_count(), workers)
     if not all_finished(overrides):
         submit(overrides)
     uri = f"sqlite:///{run_dir / 'mlflow.db'}"

@@ -6,6 +6,9 @@ stage's local ranks by them).
 
 python -m cluster.local start --worker-nodes 1      # prints RAY_ADDRESS and the Jobs API URL
 python -m cluster.local stop
+
+On a GPU machine the head offers its GPUs and the other nodes none (one node per device): a GPU stage's
+workers all run on the head.
 """
 
 from __future__ import annotations
@@ -220,7 +223,8 @@ def add_worker_node(
     own_disk: tuple[str, str] | None = None,
     node_ip: str | None = None,
 ) -> None:
-    """A second Ray node on this machine (its own raylet, resources and temp dir), joined to the head.
+    """A second Ray node on this machine (its own raylet, CPUs and temp dir; no GPU: the head offers this
+    machine's), joined to the head.
 
     Its own temp dir matters: two raylets sharing one session folder garbage-collect each other's
     runtime-env packages, deleting a running job's working directory. Its address is the head's unless
@@ -255,6 +259,11 @@ def _worker_command(
         str(num_cpus),
         "--resources",
         json.dumps({f"node:{name}": 1}),
+        # The head already offers this machine's GPUs: a raylet counts every GPU it sees, so a second node
+        # on the same machine would offer the same devices again, and a stage's workers on both nodes would
+        # each be given "GPU 0" (NCCL: duplicate GPU). GPU stages run their workers on the head.
+        "--num-gpus",
+        "0",
         "--disable-usage-stats",
         *_node_ports(),
     )

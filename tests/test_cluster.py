@@ -328,6 +328,16 @@ def test_workers_on_every_node_run_at_nice_0_and_know_their_cluster(ray_cluster)
     assert json.loads(out) == [[0, ray_cluster.address]] * 2, out
 
 
+def test_a_second_node_on_this_machine_offers_no_gpu():
+    """cluster.local's head offers this machine's GPUs and a node beside it none: each raylet counts every
+    GPU it sees, so both would offer the same devices and a stage's workers on the two nodes would each be
+    given "GPU 0" (NCCL: duplicate GPU). Ray finds no GPU on this machine, so the node's command is read."""
+    cluster = local.LocalCluster("127.0.0.1:6379", "http://127.0.0.1:8265", "/tmp/vitpipe-ray")
+    for disk in (None, ("/data", "/data.worker1")):
+        cmd = local._worker_command(cluster, 2, "worker1", disk, "127.0.0.1")
+        assert cmd[cmd.index("--num-gpus") + 1] == "0", cmd
+
+
 def test_a_failed_local_start_leaves_no_process_behind(monkeypatch):
     """`ray start --head` that fails after starting its GCS server (here: the dashboard port is taken)
     raises, and stops what it had started: a GCS server left running makes the next start time out."""

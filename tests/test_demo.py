@@ -68,3 +68,16 @@ def test_reduced_demo_runs_end_to_end(tmp_path):
     assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
     assert "$ vitpipe shard" not in again.stdout and again.stdout.count("already finished") == 5
     assert "starting a local Ray cluster" not in again.stdout and "eval/top1" in again.stdout
+
+
+@pytest.mark.unit
+def test_the_demo_runs_on_the_cpu_where_the_gpus_are_fewer_than_its_workers():
+    """cluster.local offers a machine's GPUs on its head only: the demo's two workers use GPUs with two or
+    more, the CPU with none (use_gpu: auto) or one (set, else auto would wait for a second GPU)."""
+    from cluster.demo import CONFIG, device_overrides
+    from pipeline.config import load_experiment
+
+    assert device_overrides(0, 2) == [] and device_overrides(2, 2) == [] and device_overrides(8, 2) == []
+    assert device_overrides(1, 2) == ["cluster.use_gpu=false"]
+    stages = load_experiment(ROOT / CONFIG, device_overrides(1, 2)).stages
+    assert stages and all(cfg.cluster.use_gpu is False and cfg.cluster.max_workers == 2 for _, cfg in stages)
