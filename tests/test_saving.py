@@ -41,6 +41,31 @@ def test_a_host_copy_is_its_own_and_keeps_the_containers():
     assert copy["step"] == 7
 
 
+@pytest.mark.unit
+def test_files_still_being_written_are_no_ranks_own(tmp_path):
+    """Which rank lists (hashes, records, uploads) which file of a tag on a disk the ranks share. Another
+    rank's write in progress is nobody's: rank 0 took safetensors' temporary of rank 1's EMA for its own and
+    the save failed when it was renamed away (seen: FileNotFoundError on step_00000004/.tmpAmNrJx)."""
+    from safetensors.torch import save_file
+
+    from pipeline.train.tag import owned_by
+
+    with pytest.raises(Exception, match=r"/\.tmp\w{6}"):  # where safetensors writes before its rename
+        save_file({"w": torch.zeros(2)}, str(tmp_path / "missing" / "ema_rank_1_fp32.safetensors"))
+    owners = {
+        "mp_rank_00_model_states.pt": [0],
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt": [0],
+        "zero_pp_rank_2_mp_rank_00_optim_states.pt": [2],
+        "rank_3.pt": [3],
+        "ema_rank_1_fp32.safetensors": [1],
+        ".tmpAmNrJx": [],
+        "ema_rank_1_fp32.safetensors.tmp": [],
+        "rank_0.pt.tmp": [],
+    }
+    for name, expected in owners.items():
+        assert [r for r in range(4) if owned_by(name, r, world_size=4)] == expected, name
+
+
 @pytest.mark.dist
 @pytest.mark.slow
 def test_a_save_runs_beside_training_and_only_a_complete_one_is_resumed(s3, tmp_path):

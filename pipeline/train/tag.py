@@ -26,6 +26,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from data_prep.atomic import TMP_SUFFIX
+
 COMPLETE = "COMPLETE.json"
 LATEST = "latest"
 UNIVERSAL = "universal"
@@ -65,13 +67,19 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(cuda)
 
 
-def owned_by(name: str, rank: int) -> bool:
-    """Whether `rank` wrote this file of a tag: its ZeRO shards and RNG state; rank 0 also the model states."""
+def owned_by(name: str, rank: int, world_size: int | None = None) -> bool:
+    """Whether `rank` wrote this file of a tag: its ZeRO shards and RNG state; rank 0 also the model states.
+
+    A file still being written is nobody's: on a disk the ranks share, another rank's write in progress
+    (safetensors' `.tmpXXXXXX` beside the file it writes, an atomic `NAME.tmp`) lies in the tag while rank 0
+    lists it, and rank 0 took it for one of its own: it failed when the file was renamed away under it
+    (FileNotFoundError, the save lost), or recorded a file that is gone in COMPLETE.json."""
+    if name.startswith(".") or name.endswith(TMP_SUFFIX):
+        return False
     if f"rank_{rank}_" in name or name == f"rank_{rank}.pt":
         return True
-    return rank == 0 and not any(
-        f"rank_{r}_" in name or name == f"rank_{r}.pt" for r in range(1, dist.get_world_size())
-    )
+    world_size = dist.get_world_size() if world_size is None else world_size
+    return rank == 0 and not any(f"rank_{r}_" in name or name == f"rank_{r}.pt" for r in range(1, world_size))
 
 
 def stale_tags(tags: list[str], tag: str, keep_last: int) -> list[str]:
