@@ -11,12 +11,18 @@ sees the old file or the new one, whole, never part of one.
 The data goes to `NAME.tmp` beside the file, is fsynced, and renamed over the file; then the folder
 is fsynced, so the rename itself survives a power cut. A write that raises leaves no `NAME.tmp`
 behind; one killed outright may, and the next write of the same file replaces it.
+
+`shared=True` is for a file that other processes may write at the same moment (the nodes on one shared
+disk each fetching the same checkpoint file): each writer has a temporary of its own, `.NAME.XXXXXXXX.tmp`,
+and the last rename wins, every version whole. With one `NAME.tmp` the second writer truncated the first's
+data and one of the renames failed (FileNotFoundError). A killed shared writer's hidden temporary stays.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -52,10 +58,16 @@ def fsync_file(path: Path) -> None:
 
 
 @contextmanager
-def writing(path: Path) -> Iterator[Path]:
-    """Yield the temporary path to write; on a clean exit it replaces `path`, on an exception it is removed."""
+def writing(path: Path, *, shared: bool = False) -> Iterator[Path]:
+    """Yield the temporary path to write; on a clean exit it replaces `path`, on an exception it is removed.
+    `shared`: other processes may write `path` at the same time (the module docstring)."""
     path = Path(path)
-    tmp = tmp_path(path)
+    if shared:
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
+        os.close(fd)
+        tmp = Path(name)
+    else:
+        tmp = tmp_path(path)
     try:
         yield tmp
         fsync_file(tmp)
@@ -66,13 +78,13 @@ def writing(path: Path) -> Iterator[Path]:
     fsync_dir(path.parent)
 
 
-def write_bytes(path: Path, data: bytes) -> None:
-    with writing(path) as tmp:
+def write_bytes(path: Path, data: bytes, *, shared: bool = False) -> None:
+    with writing(path, shared=shared) as tmp:
         tmp.write_bytes(data)
 
 
-def write_text(path: Path, text: str) -> None:
-    write_bytes(path, text.encode())
+def write_text(path: Path, text: str, *, shared: bool = False) -> None:
+    write_bytes(path, text.encode(), shared=shared)
 
 
 def write_json(path: Path, obj: Any, *, indent: int | None = None, default=None) -> None:

@@ -358,17 +358,18 @@ class Store:
         if self.size(rel) is None:
             raise FileNotFoundError(self.describe(rel))
         local.parent.mkdir(parents=True, exist_ok=True)
-        with atomic.writing(local) as tmp:
+        with atomic.writing(local, shared=True) as tmp:  # nodes on one disk may fetch the same file at once
             self._copy_to_local(rel, tmp)
         return local
 
     def download_files(self, rel: str, names: list[str], local: Path, workers: int = 8) -> None:
         """Copy the files `names` of the folder `rel` into the folder `local`, `workers` at a time, each
-        atomically (whole or absent); files of `local` not named stay as they are."""
+        atomically (whole or absent); files of `local` not named stay as they are. Other processes may fetch
+        the same files into the same folder at once (the nodes on one shared disk): the last copy wins."""
         local.mkdir(parents=True, exist_ok=True)
 
         def one(name: str) -> None:
-            with atomic.writing(local / name) as tmp:
+            with atomic.writing(local / name, shared=True) as tmp:
                 self._copy_to_local(f"{rel}/{name}" if rel else name, tmp)
 
         with ThreadPoolExecutor(max(1, min(workers, len(names)))) as pool:

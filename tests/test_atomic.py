@@ -1,6 +1,7 @@
 """The one atomic-write helper (data_prep.atomic) and the run-id file functions built on it."""
 
 import json
+import threading
 
 import pytest
 
@@ -33,6 +34,37 @@ def test_a_failed_write_keeps_the_old_file_and_removes_its_tmp(tmp_path):
     with pytest.raises(TypeError):  # not JSON-serialisable: nothing is written
         atomic.write_json(path, {"x": object()})
     assert path.read_bytes() == b"old"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("shared", [False, True])
+def test_two_writers_of_one_file_at_once(tmp_path, shared):
+    """Two processes writing the same file at the same moment (the nodes on one shared disk fetching the same
+    checkpoint file): with one NAME.tmp the second truncates the first's data and one rename fails; `shared`
+    writers each have their own temporary, the last rename wins, and the file is one writer's, whole."""
+    path, both_open = tmp_path / "mp_rank_00_model_states.pt", threading.Barrier(2)
+    errors = []
+
+    def write(data: bytes) -> None:
+        try:
+            with atomic.writing(path, shared=shared) as tmp:
+                with open(tmp, "wb") as f:
+                    f.write(data[:4])
+                    both_open.wait(timeout=10)  # both mid-write
+                    f.write(data[4:])
+        except OSError as exc:
+            errors.append(exc)
+
+    writers = [threading.Thread(target=write, args=(c * 1000,)) for c in (b"a", b"b")]
+    for t in writers:
+        t.start()
+    for t in writers:
+        t.join()
+    if not shared:
+        assert errors and isinstance(errors[0], FileNotFoundError), errors
+        return
+    assert not errors and path.read_bytes() in (b"a" * 1000, b"b" * 1000)
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary left
 
 
 @pytest.mark.unit

@@ -27,7 +27,15 @@ TAG = tag_for(4)
 
 
 def moments(tag_dir: Path) -> dict[str, torch.Tensor]:
-    """Every parameter's fp32 weights and Adam moments in a tag, whatever number of ranks saved it."""
+    """Every parameter's fp32 weights and Adam moments in a tag, whatever number of ranks saved it.
+
+    Converted with a killed conversion's leftover in the tag, as another node on a shared disk leaves it (its
+    copy of the model states): DeepSpeed read its input folder recursively and failed on the second copy."""
+    if any(tag_dir.glob("*optim_states.pt")) and not (tag_dir / "universal").exists():
+        leftover = tag_dir / "universal.partial-othernode-1"
+        leftover.mkdir(exist_ok=True)
+        for f in tag_dir.glob("*model_states.pt"):
+            shutil.copy(f, leftover)
     universal = checkpoint.to_universal(tag_dir)
     out = {}
     if universal is None:  # ZeRO-0: weights and optimizer whole in the model states

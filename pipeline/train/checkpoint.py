@@ -114,11 +114,19 @@ def to_universal(tag_dir: Path) -> Path | None:
     from deepspeed.checkpoint import ds_to_universal
 
     # Every node converts its own copy; on a shared disk they race to one folder: each writes its own and
-    # the first rename wins.
-    partial = tag_dir / f"{UNIVERSAL}.partial-{socket.gethostname()}-{os.getpid()}"
-    shutil.rmtree(partial, ignore_errors=True)
+    # the first rename wins. DeepSpeed reads its input folder recursively (os.walk): given the tag, it also
+    # counted the model states another node's conversion had copied into its folder (or left there when
+    # killed), and failed ("model-state file count"). It reads links to the tag's own files instead.
+    me = f"{socket.gethostname()}-{os.getpid()}"
+    partial, given = tag_dir / f"{UNIVERSAL}.partial-{me}", tag_dir / f".{UNIVERSAL}.input-{me}"
+    for folder in (partial, given):
+        shutil.rmtree(folder, ignore_errors=True)
+    given.mkdir()
+    for f in tag_dir.iterdir():
+        if f.is_file() and not f.name.startswith("."):
+            (given / f.name).symlink_to(f"../{f.name}")
     args = argparse.Namespace(
-        input_folder=str(tag_dir),
+        input_folder=str(given),
         output_folder=str(partial),
         num_extract_workers=1,  # no process pool: this runs inside a rank (Ray Train's worker thread)
         num_merge_workers=1,
@@ -134,6 +142,8 @@ def to_universal(tag_dir: Path) -> Path | None:
         log.error("%s: ds_to_universal failed; its output:\n%s", tag_dir, chatter.getvalue()[-4000:])
         shutil.rmtree(partial, ignore_errors=True)
         raise
+    finally:
+        shutil.rmtree(given, ignore_errors=True)
     try:
         os.replace(partial, out)  # whole or absent
     except OSError:

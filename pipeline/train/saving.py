@@ -282,8 +282,16 @@ class Checkpointer:
         ):
             # A node whose disk rank 0 does not share: its ranks' part of the tag is complete too (rank 0
             # wrote its copy before the broadcast, so on a shared disk this finds it and writes nothing).
-            atomic.write_text(job.tag_dir / COMPLETE, text)
-            atomic.write_text(self.ckpt_dir / LATEST, job.tag_dir.name)
+            # Nodes sharing a disk rank 0 does not write each their own temporary. A failure (a full disk)
+            # still reaches the barrier, where the other ranks wait: the tag stays incomplete on this disk
+            # only (complete on rank 0's and the store), and this disk keeps its older tags.
+            try:
+                atomic.write_text(job.tag_dir / COMPLETE, text, shared=True)
+                atomic.write_text(self.ckpt_dir / LATEST, job.tag_dir.name, shared=True)
+            except OSError as exc:
+                why = f"{type(exc).__name__}: {exc}"
+                log.error("rank %d: marking %s complete on this node: %s", self.rank, job.tag_dir, why)
+                text = None
         dist.barrier(group=self.group)  # the new tag is complete: older ones may go, on every node's disk
         if text is not None and self.local_rank == 0:
             prune_local(self.ckpt_dir, job.tag_dir.name, self.keep_last)

@@ -49,7 +49,7 @@ def fetch(
 
     missing = [n for n in wanted if not held(n)]
     store.download_files(tag, missing, tag_dir, workers=DOWNLOADS)
-    atomic.write_text(tag_dir / COMPLETE, json.dumps(record, indent=1))
+    atomic.write_text(tag_dir / COMPLETE, json.dumps(record, indent=1), shared=True)  # every node on the disk
     return sum(files[n]["bytes"] for n in missing), sum(f["bytes"] for f in files.values())
 
 
