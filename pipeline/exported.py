@@ -44,7 +44,9 @@ def ema_weights(path: str | Path) -> str | None:
 def export_preprocessing(path: str | Path) -> dict | None:
     """The preprocessing {"mean", "std", "interpolation"} that weights at `path` (an export folder or its
     weights file, local or a storage URI) were trained with: our model.json's record, or the pretrained_cfg of
-    a timm/Hugging Face folder's config.json; None where neither says."""
+    a timm/Hugging Face folder's config.json; None where neither says. A read that fails (storage out of
+    reach) raises, naming the file: every rank reads it, and one that took the family's statistics instead
+    would train on other inputs than the rest, silently."""
     for name in (META, "config.json"):
         try:
             if is_uri(path):  # an export folder in storage (as load_exported reads it): one GET
@@ -53,8 +55,10 @@ def export_preprocessing(path: str | Path) -> dict | None:
             else:
                 folder = Path(path) if Path(path).is_dir() else Path(path).parent
                 text = (folder / name).read_text() if (folder / name).is_file() else None
-        except (OSError, UnicodeDecodeError):
+        except UnicodeDecodeError:
             text = None
+        except OSError as exc:
+            raise OSError(f"model.init_from {path}: could not read its {name}: {exc}") from exc
         if text is None:
             continue
         try:

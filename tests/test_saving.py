@@ -66,6 +66,29 @@ def test_files_still_being_written_are_no_ranks_own(tmp_path):
         assert [r for r in range(4) if owned_by(name, r, world_size=4)] == expected, name
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "record, why",
+    [
+        (b"\xff\xfe torn", "not readable JSON (UnicodeDecodeError)"),  # not even UTF-8: it raised before
+        (b'{"step": 4', "not readable JSON (JSONDecodeError)"),
+        (b"[1, 2]", "no file list"),  # JSON, but not a record: it raised (a list has no "files")
+    ],
+)
+def test_a_corrupted_complete_record_makes_its_tag_unloadable_not_the_resume_fail(tmp_path, record, why):
+    """A COMPLETE.json that a failing disk or a torn copy corrupted: the tag is skipped (its reason given, an
+    older tag tried), where a record that was not UTF-8 or not an object raised on that node instead."""
+    from pipeline.train.checkpoint import verify
+    from pipeline.train.tag import COMPLETE, read_record
+
+    tag = tmp_path / "step_00000004"
+    tag.mkdir()
+    (tag / COMPLETE).write_bytes(record)
+    assert why in verify(tag, rank=0, world_size=2)
+    if not record.startswith(b"["):
+        assert read_record(tag) is None
+
+
 @pytest.mark.dist
 @pytest.mark.slow
 def test_a_save_runs_beside_training_and_only_a_complete_one_is_resumed(s3, tmp_path):

@@ -182,6 +182,26 @@ def test_a_stop_request_reaches_rank_0_through_the_bucket_and_is_cleared_before_
 
 
 @pytest.mark.unit
+@pytest.mark.slow  # waits out pyarrow's retries (about 7 s a request), which make-test-fast need not
+def test_a_bucket_out_of_reach_neither_ends_a_run_nor_changes_its_inputs(tmp_path, caplog, monkeypatch):
+    """A bucket that cannot be reached (here: an endpoint where nothing listens; pyarrow's own retries take
+    seconds). Rank 0's poll for a stored stop request logs it and goes on (it raised, ending a long run at
+    the next log step); reading model.init_from's input statistics raises, naming the file (it fell back to
+    the family's, on that rank alone)."""
+    from pipeline.exported import export_preprocessing
+    from pipeline.train.loop import STOP_FILE, StopRequest
+
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):  # else the SDK looks for credentials first
+        monkeypatch.setenv(key, "testing")
+    away = "s3://bucket/runs/pretrain?endpoint_override=127.0.0.1:9&scheme=http&region=us-east-1"
+    with caplog.at_level("WARNING", logger="pipeline.train.loop"):
+        assert not StopRequest(tmp_path / STOP_FILE, Store(away)).requested
+    assert "could not check s3://bucket/runs/pretrain/STOP for a stop request" in caplog.text
+    with pytest.raises(OSError, match=r"model\.init_from s3://bucket/runs/pretrain/export\?.*model\.json"):
+        export_preprocessing(child(away, "export"))
+
+
+@pytest.mark.unit
 def test_a_stage_that_ran_on_other_nodes_is_marked_finished_on_this_disk_and_in_the_bucket(s3, tmp_path):
     """With storage, every worker of a stage may run on other nodes: the driver's disk then has no folder for
     the stage (seen in CI: an eval stage whose ranks were both on the second node). Its finish is recorded

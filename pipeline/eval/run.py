@@ -299,7 +299,7 @@ def evaluate(
 
         metrics, details = _with_ema(cfg, ctx, model, measure)
         _finish(cfg, ctx, tracker, metrics, details, meta, report)
-    dist.barrier()
+    dist.barrier(group=ctx.control_group)  # gloo: a rank that failed in rank 0's work is seen at once
     return metrics
 
 
@@ -528,7 +528,7 @@ def evaluate_segmentation(
 
         metrics, details = _with_ema(cfg, ctx, model, measure)
         _finish(cfg, ctx, tracker, metrics, details, meta, report)
-    dist.barrier()
+    dist.barrier(group=ctx.control_group)  # gloo: a rank that failed in rank 0's work is seen at once
     return metrics
 
 
@@ -650,5 +650,5 @@ def evaluate_detection(
 
         metrics, details = _with_ema(cfg, ctx, model, measure)
         _finish(cfg, ctx, tracker, metrics, details, meta, report)
-    dist.barrier()
+    dist.barrier(group=ctx.control_group)  # gloo: a rank that failed in rank 0's work is seen at once
     return metrics

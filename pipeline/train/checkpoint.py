@@ -80,8 +80,10 @@ def verify(tag_dir: Path, rank: int, world_size: int, local_rank: int = 0, whole
         return "no COMPLETE.json (the save was cut short)"
     try:
         record = json.loads(record_path.read_text())
-    except json.JSONDecodeError:
-        return "COMPLETE.json is not valid JSON"
+    except (OSError, ValueError) as exc:  # ValueError: not JSON, or not even UTF-8 (a torn or corrupted file)
+        return f"COMPLETE.json is not readable JSON ({type(exc).__name__})"
+    if not isinstance(record, dict) or not isinstance(record.get("files"), dict):
+        return "COMPLETE.json has no file list"
     if whole:
         mine = list(record["files"]) if local_rank == 0 else []
     else:
@@ -96,7 +98,11 @@ def verify(tag_dir: Path, rank: int, world_size: int, local_rank: int = 0, whole
                 else ""
             )
     for name in mine:
-        if file_sha256(tag_dir / name) != record["files"][name]["sha256"]:
+        try:
+            digest = file_sha256(tag_dir / name)
+        except OSError as exc:  # a failing disk (EIO): this tag is not loadable here, an older one may be
+            return f"{name} could not be read ({type(exc).__name__}: {exc})"
+        if digest != record["files"][name]["sha256"]:
             return f"{name} does not match its sha256 (corrupted)"
     return None
 

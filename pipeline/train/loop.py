@@ -122,7 +122,12 @@ class StopRequest:
             and time.monotonic() - self._polled >= self.REMOTE_POLL_S
         ):
             self._polled = time.monotonic()
-            self._remote = self.store.exists(STOP_FILE)
+            try:
+                self._remote = self.store.exists(STOP_FILE)
+            except (
+                OSError
+            ) as exc:  # the bucket out of reach for a moment must not end a long run: asked again
+                log.warning("could not check %s for a stop request: %s", self.store.describe(STOP_FILE), exc)
         return self._remote
 
     def restore(self) -> None:
@@ -562,7 +567,9 @@ class Trainer:
             stop.restore()
             _shutdown_loader(batches)
             result = self.finish(stopped_early)
-        dist.barrier()
+        # On the gloo control group: a rank that died in rank 0's closing work (MLflow, the export) closes
+        # its connections, which gloo's barrier reports at once (NCCL's waits out its timeout).
+        dist.barrier(group=ctx.control_group)
         return result
 
     def _print_start(self) -> None:

@@ -98,7 +98,7 @@ def prune_local(ckpt_dir: Path, tag: str, keep_last: int) -> None:
 def read_record(tag_dir: Path) -> dict | None:
     try:
         return json.loads((tag_dir / COMPLETE).read_text())
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):  # ValueError: not JSON, or not UTF-8 (a corrupted file): no record
         return None
 
 
