@@ -75,6 +75,32 @@ def test_a_node_fetches_what_its_ranks_read_and_keeps_what_it_holds(s3, tmp_path
 
 
 @pytest.mark.unit
+def test_a_fetch_that_fails_is_logged_and_leaves_the_tag_unloadable_here(s3, tmp_path, caplog):
+    """A stored tag whose COMPLETE.json lists an object the bucket no longer holds (a lifecycle rule, a
+    partial delete): the node's fetch logs it and returns (it raised, and that rank left while the others
+    waited at the barrier after the fetch); the tag stays without COMPLETE.json on this disk, so every rank
+    agrees to try an older one."""
+    import hashlib
+
+    from pipeline.train.checkpoint import verify
+    from pipeline.train.tag import COMPLETE
+    from pipeline.train.transfer import fetch_or_log
+
+    store = Store(s3("gone"))
+    blobs = {"rank_0.pt": os.urandom(100), "mp_rank_00_model_states.pt": os.urandom(200)}
+    files = {n: {"bytes": len(d), "sha256": hashlib.sha256(d).hexdigest()} for n, d in blobs.items()}
+    store.write_bytes("step_00000005/rank_0.pt", blobs["rank_0.pt"])  # the model states are gone
+    store.write_text(f"step_00000005/{COMPLETE}", json.dumps({"step": 5, "world_size": 1, "files": files}))
+    tag = tmp_path / "ckpt" / "step_00000005"
+    with caplog.at_level("WARNING", logger="pipeline.train.transfer"):
+        assert not fetch_or_log(store, tag, 0, [0], 1)
+    assert f"rank 0: could not fetch checkpoint {tag} from {store.describe()}" in caplog.text
+    assert verify(tag, 0, 1) == "no COMPLETE.json (the save was cut short)"
+    store.write_bytes("step_00000005/mp_rank_00_model_states.pt", blobs["mp_rank_00_model_states.pt"])
+    assert fetch_or_log(store, tag, 0, [0], 1) and verify(tag, 0, 1) is None  # once whole, it loads
+
+
+@pytest.mark.unit
 def test_uri_helpers_keep_the_query_and_name_unknown_schemes():
     assert (
         child("s3://b/p?endpoint_override=h:1", "pretrain", "export")

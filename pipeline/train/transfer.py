@@ -71,16 +71,33 @@ def fetch_for_node(
     seen: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(seen, (node, rank, problem), group=group)
     if local_rank == 0 and any(p for n, _, p in seen if n == node):
-        fetched, size = fetch(store, tag_dir, [r for n, r, _ in seen if n == node], world_size, whole)
-        log.info(
-            "rank %d: fetched checkpoint %s from %s for this node's ranks: %d of its %d bytes",
-            rank,
-            tag_dir.name,
-            store.describe(),
-            fetched,
-            size,
-        )
+        fetch_or_log(store, tag_dir, rank, [r for n, r, _ in seen if n == node], world_size, whole)
     dist.barrier(group=group)
+
+
+def fetch_or_log(
+    store: Store, tag_dir: Path, rank: int, ranks: list[int], world_size: int, whole: bool = False
+) -> bool:
+    """`fetch`, and whether it worked. A fetch that fails (an object gone from the bucket, a full disk) is
+    logged, not raised: the other ranks wait at the barrier after it, and the checks that follow find the tag
+    incomplete on this node, so every rank agrees to try an older one."""
+    try:
+        fetched, size = fetch(store, tag_dir, ranks, world_size, whole)
+    except Exception as exc:
+        why = f"{type(exc).__name__}: {exc}"
+        log.warning(
+            "rank %d: could not fetch checkpoint %s from %s: %s", rank, tag_dir, store.describe(), why
+        )
+        return False
+    log.info(
+        "rank %d: fetched checkpoint %s from %s for this node's ranks: %d of its %d bytes",
+        rank,
+        tag_dir.name,
+        store.describe(),
+        fetched,
+        size,
+    )
+    return True
 
 
 def remote_tags(store: Store | None, rank: int, group, broadcast: bool = True) -> list[str]:
