@@ -13,8 +13,8 @@ is fsynced, so the rename itself survives a power cut. A write that raises leave
 behind; one killed outright may, and the next write of the same file replaces it.
 
 `shared=True` is for a file that other processes may write at the same moment (the nodes on one shared
-disk each fetching the same checkpoint file): each writer has a temporary of its own, `.NAME.XXXXXXXX.tmp`,
-and the last rename wins, every version whole. With one `NAME.tmp` the second writer truncated the first's
+disk each fetching the same checkpoint file): each writer has a temporary of its own,
+`.NAME.<16 hex digits>.tmp`, and the last rename wins, every version whole. With one `NAME.tmp` the second writer truncated the first's
 data and one of the renames failed (FileNotFoundError). A killed shared writer's hidden temporary stays.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -62,10 +62,8 @@ def writing(path: Path, *, shared: bool = False) -> Iterator[Path]:
     """Yield the temporary path to write; on a clean exit it replaces `path`, on an exception it is removed.
     `shared`: other processes may write `path` at the same time (the module docstring)."""
     path = Path(path)
-    if shared:
-        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
-        os.close(fd)
-        tmp = Path(name)
+    if shared:  # a name of its own, created by the writer (mkstemp's would be mode 0600, not the umask's)
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}{TMP_SUFFIX}")
     else:
         tmp = tmp_path(path)
     try:

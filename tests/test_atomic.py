@@ -65,6 +65,9 @@ def test_two_writers_of_one_file_at_once(tmp_path, shared):
         return
     assert not errors and path.read_bytes() in (b"a" * 1000, b"b" * 1000)
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary left
+    plain = tmp_path / "plain"
+    atomic.write_text(plain, "x")
+    assert path.stat().st_mode == plain.stat().st_mode  # the umask's mode, as any other write's
 
 
 @pytest.mark.unit

@@ -122,11 +122,10 @@ class StopRequest:
             and time.monotonic() - self._polled >= self.REMOTE_POLL_S
         ):
             self._polled = time.monotonic()
+            # The bucket out of reach for a moment must not end a long run: logged, and asked again.
             try:
                 self._remote = self.store.exists(STOP_FILE)
-            except (
-                OSError
-            ) as exc:  # the bucket out of reach for a moment must not end a long run: asked again
+            except OSError as exc:
                 log.warning("could not check %s for a stop request: %s", self.store.describe(STOP_FILE), exc)
         return self._remote
 
