@@ -63,6 +63,7 @@ bench: setup
 	$(PY) bench/step_overhead.py --out bench/results/step_overhead.json
 	$(PY) bench/zero_memory.py --out bench/results/zero_memory.json
 	$(PY) bench/ema.py --out bench/results/ema.json
+	$(PY) bench/tracking.py --out bench/results/tracking.json
 	$(PY) bench/scale.py --out bench/results/scale.json
 	$(PY) bench/loader.py --out bench/results/loader.json
 	$(PY) bench/shard.py --out bench/results/shard.json

@@ -13,12 +13,26 @@ resumed on another node, the job driver on the head).
 
 MLflow is imported inside the functions that use it: it takes seconds to import, and every rank but
 rank 0 (and the config and CLI paths) never needs it.
+
+A stage's metrics and tags go to MLflow from one background thread on rank 0 (`_Sender`), in the order
+they were logged: a log step costs the ranks no round trip to the tracking server (every rank waits for
+rank 0 at its next collective), and a server that is slow, restarting or unreachable mid-stage delays the
+metrics instead of ending the training. What it could not send is held (up to MAX_PENDING values, the
+oldest dropped past that) and sent once the server answers; a stage waits FLUSH_TIMEOUT_S for it at its
+end. MLflow's own asynchronous logging does not serve here: it retries each queued batch in full, drops a
+batch its retries did not deliver, and its exit handler waits for the whole queue. Opening the run (and
+its params and config artifact) stays synchronous: a server that cannot be reached at a stage's start
+fails the stage before it trains.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import threading
+import time
+from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -29,6 +43,13 @@ log = logging.getLogger(__name__)
 MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
 RUN_ID_FILE = "mlflow_run.json"  # in a stage's run directory
 REPLICA_SUFFIX = "_s{seed}"  # under an experiment's `seeds:`, stage STAGE's run for seed K is STAGE_sK
+# Metric values and tags held while MLflow does not answer: 300 B each in memory, 150 MB at most (the training
+# loop's 14 values every 20 steps: 700k steps)
+MAX_PENDING = 500_000
+FLUSH_TIMEOUT_S = 60.0  # at a stage's end, the wait for what is still to be sent
+RETRY_S = (1.0, 30.0)  # the wait after a failed send: doubling from the first to the second
+# MLflow's limits on one log_batch request
+BATCH_VALUES, BATCH_TAGS = 1000, 100
 
 
 def replica_name(stage: str, seed: int | str) -> str:
@@ -77,8 +98,155 @@ def find_stage_run(uri: str, experiment: str, checkpoint_uri: str) -> str | None
     return find_run_by_tag(uri, experiment, CHECKPOINT_URI_TAG, checkpoint_uri)
 
 
+class _Sender:
+    """One thread that sends a run's metric values and tags to MLflow in the order they were logged.
+
+    `put` only queues. A failed send (the server down, slow past MLflow's own retries, a locked SQLite
+    file) is logged once per outage and tried again after RETRY_S, the values kept; more than
+    `max_pending` held drops the oldest, counted. A batch MLflow refuses (a 4xx: a name it does not
+    accept) is sent again one value per request, and only what it refuses is dropped. `close` waits up to
+    `timeout` for the queue to empty and returns what it leaves unsent."""
+
+    def __init__(self, client, run_id: str, max_pending: int):
+        self._client, self._run_id, self._max_pending = client, run_id, max_pending
+        self._pending: deque = deque()  # (sequence number, Metric | RunTag)
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
+        self._closing = self._stopped = False
+        self.dropped = self.refused = 0  # past max_pending; refused by MLflow
+        self._singly_through = -1  # items up to this sequence number go one per request (a batch was refused)
+        self._thread = threading.Thread(target=self._run, name=f"mlflow-sender-{run_id}", daemon=True)
+        self._thread.start()
+
+    def put(self, items: list) -> None:
+        with self._cond:
+            if self._stopped:
+                raise RuntimeError(f"MLflow run {self._run_id}: logged to after the tracker was closed")
+            self._pending.extend((next(self._seq), item) for item in items)
+            while len(self._pending) > self._max_pending:
+                self._pending.popleft()
+                self.dropped += 1
+                if self.dropped == 1:
+                    log.warning(
+                        "MLflow run %s: more than %d values wait to be sent; dropping the oldest",
+                        self._run_id,
+                        self._max_pending,
+                    )
+            self._cond.notify()
+
+    def _batch(self) -> list:
+        """The oldest pending items that fit one log_batch request (called under the lock)."""
+        from mlflow.entities import RunTag
+
+        batch, tags = [], 0
+        for seq, item in self._pending:
+            is_tag = isinstance(item, RunTag)
+            full = len(batch) == (1 if seq <= self._singly_through else BATCH_VALUES)
+            if full or (is_tag and tags == BATCH_TAGS):
+                break
+            batch.append((seq, item))
+            tags += is_tag
+        return batch
+
+    def _run(self) -> None:
+        from mlflow.entities import RunTag
+
+        failing_since, wait = None, RETRY_S[0]
+        while True:
+            with self._cond:
+                while not self._pending and not self._closing:
+                    self._cond.wait()
+                if self._stopped or not self._pending:
+                    return
+                batch = self._batch()
+            items = [item for _, item in batch]
+            try:
+                self._client.log_batch(
+                    self._run_id,
+                    metrics=[m for m in items if not isinstance(m, RunTag)],
+                    tags=[t for t in items if isinstance(t, RunTag)],
+                )
+            except Exception as exc:
+                if _refused(exc) and len(batch) > 1:  # find the one it refuses: send these one by one
+                    self._singly_through = batch[-1][0]
+                    continue
+                if _refused(exc):  # sending it again cannot help; what follows may still go
+                    with self._cond:
+                        self._drop_through(batch[-1][0])
+                    self.refused += 1
+                    if self.refused == 1:
+                        log.error(
+                            "MLflow run %s: MLflow refused %r (%s: %s); dropped, logging goes on",
+                            self._run_id,
+                            items[0],
+                            type(exc).__name__,
+                            _first_line(exc),
+                        )
+                    continue
+                if failing_since is None:
+                    failing_since = time.monotonic()
+                    log.warning(
+                        "MLflow run %s: could not log (%s: %s); training goes on and the values are sent "
+                        "once MLflow answers",
+                        self._run_id,
+                        type(exc).__name__,
+                        _first_line(exc),
+                    )
+                with self._cond:  # a close wakes it for one more try at once
+                    if not self._stopped:
+                        self._cond.wait(timeout=wait)
+                wait = min(2 * wait, RETRY_S[1])
+                continue
+            with self._cond:
+                self._drop_through(batch[-1][0])
+                held = len(self._pending)
+            if failing_since is not None:
+                log.warning(
+                    "MLflow run %s: MLflow answers again after %.0f s; sending what it missed (%d values to go)",
+                    self._run_id,
+                    time.monotonic() - failing_since,
+                    held,
+                )
+                failing_since, wait = None, RETRY_S[0]
+
+    def _drop_through(self, last: int) -> None:
+        """Remove the pending items up to sequence number `last` (under the lock; `put` may have dropped the
+        oldest of them meanwhile)."""
+        while self._pending and self._pending[0][0] <= last:
+            self._pending.popleft()
+
+    def close(self, timeout: float) -> int:
+        """Send what is pending (waiting up to `timeout` s), stop the thread; returns the values left unsent
+        (dropped ones included)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._thread.join(timeout)
+        with self._cond:
+            self._stopped = True  # a send in flight past the timeout is the thread's last
+            self._cond.notify()
+            return len(self._pending) + self.dropped + self.refused
+
+
+def _refused(exc: BaseException) -> bool:
+    """MLflow answered and refused the request (a value it does not accept, a deleted run, no permission):
+    unlike an outage (a connection error, 5xx, a locked SQLite file: 503), trying again cannot help."""
+    from mlflow.exceptions import MlflowException
+
+    status = exc.get_http_status_code() if isinstance(exc, MlflowException) else 500
+    return 400 <= status < 500 and status not in (408, 429)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else ""
+
+
 class Tracker:
-    """`with Tracker(...) as t: t.log_metrics({...}, step=n)`; marks the run FAILED on an exception."""
+    """`with Tracker(...) as t: t.log_metrics({...}, step=n)`; marks the run FAILED on an exception.
+
+    Metrics and tags are queued and sent by a background thread (see the module docstring); closing sends
+    what is left, waiting up to FLUSH_TIMEOUT_S."""
 
     def __init__(
         self,
@@ -117,6 +285,7 @@ class Tracker:
             history = mlflow.MlflowClient().get_metric_history(run_id, "train/loss")
             self.last_logged_step = max((m.step for m in history), default=0)
         self.run_id = run.info.run_id
+        self._sender = _Sender(mlflow.MlflowClient(uri), self.run_id, MAX_PENDING)
         log.info("MLflow run %s in experiment %r at %s", self.run_id, experiment, uri)
 
     def log_params(self, params: Mapping[str, object]) -> None:
@@ -126,20 +295,50 @@ class Tracker:
                 self._mlflow.log_params(dict(items[i : i + 100]))
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        """Queue `metrics` at `step` (timestamped now); returns at once."""
         if self.enabled and step > self.last_logged_step:
-            self._mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
+            from mlflow.entities import Metric
+
+            now = int(time.time() * 1000)
+            self._sender.put([Metric(k, float(v), now, step) for k, v in metrics.items()])
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
+        """Queue `tags`, sent after every metric logged before them; returns at once."""
         if self.enabled:
-            self._mlflow.set_tags(dict(tags))
+            from mlflow.entities import RunTag
+
+            self._sender.put([RunTag(k, str(v)) for k, v in tags.items()])
 
     def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
         if self.enabled:
             self._mlflow.log_artifact(path, artifact_path)
 
     def close(self, status: str | None = None) -> None:
-        if self.enabled and self._mlflow.active_run() is not None:
+        """Send what is queued (up to FLUSH_TIMEOUT_S) and end the run with `status`. MLflow failing here is
+        logged, not raised: the stage's checkpoint, export and eval.json are written by then."""
+        if not self.enabled or self._mlflow.active_run() is None:
+            return
+        unsent = self._sender.close(FLUSH_TIMEOUT_S)
+        if unsent:
+            log.warning(
+                "MLflow run %s: %d metric values and tags were not sent (refused by MLflow, more than %d "
+                "waiting, or MLflow not answering within %.0f s of the stage's end); eval.json and the "
+                "checkpoints keep the stage's results",
+                self.run_id,
+                unsent,
+                MAX_PENDING,
+                FLUSH_TIMEOUT_S,
+            )
+        try:
             self._mlflow.end_run(status=status or self.status)
+        except Exception as exc:
+            log.warning(
+                "MLflow run %s: could not be marked %s (%s: %s); it shows RUNNING in MLflow",
+                self.run_id,
+                status or self.status,
+                type(exc).__name__,
+                _first_line(exc),
+            )
 
     def __enter__(self) -> Tracker:
         return self
