@@ -225,6 +225,16 @@ CLAIMS = [
     ("README.md", r"median of (\d+) rounds, 2-core machine", [result("loader.json", "config.repeats")]),
     (
         "README.md",
+        r"are held (\d+\.\d+) ms\s+instead of MLflow's synchronous (\d+\.\d+) ms against a local `mlflow server` "
+        r"\(`bench/tracking.py`, median of\s+(\d+) log steps",
+        [
+            result("tracking.json", "backends.mlflow_server.log_step_ms.queued"),
+            result("tracking.json", "backends.mlflow_server.log_step_ms.sync"),
+            result("tracking.json", "backends.mlflow_server.log_steps_timed_per_mode"),
+        ],
+    ),
+    (
+        "README.md",
         r"ZeRO-3 holds (\d+\.\d+)x the model-state bytes of ZeRO-0",
         [result("zero_memory.json", "ratio_zero3_over_zero0")],
     ),
