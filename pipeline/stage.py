@@ -104,29 +104,32 @@ class Stage:
         cfg, ctx = self.cfg, self.ctx
         run_id_path = self.run_path / RUN_ID_FILE
         run_id = read_run_id(run_id_path)
-        found = False
-        if run_id is None and resumed and ctx.is_main and cfg.checkpoint.uri:
-            # This node's disk never held the run-id file (the stage started on another machine).
-            run_id = find_stage_run(cfg.tracking_uri, cfg.tracking.experiment or cfg.name, cfg.checkpoint.uri)
-            found = run_id is not None
         variant = cfg.model.name + "".join(f",{k}={v}" for k, v in sorted(cfg.model.overrides.items()))
-        tracker = Tracker(
-            cfg.tracking_uri,
-            cfg.tracking.experiment or cfg.name,
-            run_name=cfg.name,
-            enabled=ctx.is_main,
-            tags={
-                "variant": variant,
-                "world_size": str(ctx.world_size),
-                "code_version": code_version(),
-                **({CHECKPOINT_URI_TAG: cfg.checkpoint.uri} if cfg.checkpoint.uri else {}),
-                **tags,
-            },
-            run_id=run_id,
-            parent_run_id=parent_run_id,
-            system_metrics=cfg.tracking.system_metrics,
-        )
-        with tracker:
+        tracker, failure = None, None
+        try:  # rank 0's alone; raised before the agreement below, the other ranks would wait in a collective
+            found = False
+            if run_id is None and resumed and ctx.is_main and cfg.checkpoint.uri:
+                # This node's disk never held the run-id file (the stage started on another machine).
+                run_id = find_stage_run(
+                    cfg.tracking_uri, cfg.tracking.experiment or cfg.name, cfg.checkpoint.uri
+                )
+                found = run_id is not None
+            tracker = Tracker(
+                cfg.tracking_uri,
+                cfg.tracking.experiment or cfg.name,
+                run_name=cfg.name,
+                enabled=ctx.is_main,
+                tags={
+                    "variant": variant,
+                    "world_size": str(ctx.world_size),
+                    "code_version": code_version(),
+                    **({CHECKPOINT_URI_TAG: cfg.checkpoint.uri} if cfg.checkpoint.uri else {}),
+                    **tags,
+                },
+                run_id=run_id,
+                parent_run_id=parent_run_id,
+                system_metrics=cfg.tracking.system_metrics,
+            )
             if ctx.is_main and (run_id is None or found):
                 write_run_id(run_id_path, tracker.run_id)
             if ctx.is_main and run_id is None:
@@ -134,7 +137,25 @@ class Stage:
                 if params:
                     tracker.log_params(params)
                 tracker.log_artifact(str(self.run_path / CONFIG_FILE))
+        except Exception as exc:
+            failure = exc
+            if tracker is not None:
+                tracker.close("FAILED")
+        self._every_rank_raises(failure, f"open the stage's MLflow run at {cfg.tracking_uri}")
+        with tracker:
             yield tracker
+
+    def _every_rank_raises(self, failure: Exception | None, what: str) -> None:
+        """Raise on every rank if rank 0 failed to `what` (`failure`, on rank 0): its exception there, an
+        error naming it on the others, which would otherwise go on to wait in their next collective."""
+        ctx = self.ctx
+        box = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+        if ctx.world_size > 1:
+            dist.broadcast_object_list(box, src=0, group=ctx.control_group)
+        if failure is not None:
+            raise failure
+        if box[0] is not None:
+            raise RuntimeError(f"rank {ctx.rank}: rank 0 could not {what}: {box[0]}")
 
 
 # The input statistics and eval resampling of each model family's published weights (timm's pretrained_cfg

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -60,11 +61,12 @@ def test_a_dataset_info_packs_into_a_template_and_int32_counts_and_back(dataset)
     assert DatasetInfo.unpacked(one.packed()) == one
 
 
-def _rank(rank: int, store: str, root: str, ckpts: str, out: str) -> None:
+def _rank(rank: int, store: str, root: str, ckpts: str, out: str, refused: int) -> None:
     dist.init_process_group(
         "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
     )
     result = _on_rank(rank, root, ckpts)
+    result["tracking"] = _open_tracking(rank, f"http://127.0.0.1:{refused}", out)
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     shutdown_distributed()  # with nothing left holding the group, so its threads end before the exit
 
@@ -87,6 +89,22 @@ def _on_rank(rank: int, root: str, ckpts: str) -> dict:
     return result
 
 
+def _open_tracking(rank: int, uri: str, run_dir: str) -> str:
+    """What a stage whose MLflow server refuses connections does on this rank when opening its run."""
+    import os
+
+    os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"  # refused at once, not after minutes of retries
+    ctx = DistContext(rank, 2, rank, torch.device("cpu"), dist.group.WORLD)
+    cfg = validate_config(
+        {"name": "s", "run_dir": run_dir, "data": {"train": run_dir}, "tracking": {"uri": uri}}
+    )
+    try:
+        with Stage(cfg, ctx).tracking({}):
+            return "opened"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
 @pytest.mark.dist
 @pytest.mark.timeout(180)  # generous: spawning two torch processes on a loaded 2-core machine
 def test_rank_zero_reads_the_manifest_and_the_newest_record_for_both_ranks(dataset, tmp_path):
@@ -97,9 +115,11 @@ def test_rank_zero_reads_the_manifest_and_the_newest_record_for_both_ranks(datas
             tag.mkdir(parents=True)
             if complete:  # step 30 on node 1 was cut short: no COMPLETE.json
                 (tag / COMPLETE).write_text(json.dumps({"step": step, "world_size": 2, "files": {}}))
-    mp.spawn(
-        _rank, args=(str(tmp_path / "store"), str(dataset), str(ckpts), str(tmp_path)), nprocs=2, join=True
-    )
+    with socket.socket() as refusing:  # bound, never listening: a connection to it is refused
+        refusing.bind(("127.0.0.1", 0))
+        port = refusing.getsockname()[1]
+        args = (str(tmp_path / "store"), str(dataset), str(ckpts), str(tmp_path), port)
+        mp.spawn(_rank, args=args, nprocs=2, join=True)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     info = dataset_info(dataset, "train")
     expected = [info.urls, info.shard_counts, info.num_classes, info.multi_label, info.num_samples]
@@ -109,3 +129,13 @@ def test_rank_zero_reads_the_manifest_and_the_newest_record_for_both_ranks(datas
     assert "data-absent" in ranks[1]["error"]
     assert [r["record"] for r in ranks] == [{"step": 20, "world_size": 2, "files": {}}] * 2
     assert [r["none"] for r in ranks] == [None, None]
+    # An MLflow server out of reach when the stage opens its run: rank 0's error on rank 0, and on rank 1 an
+    # error naming it (before, rank 1 went on into training and waited in its first collective).
+    assert (
+        ranks[0]["tracking"].startswith("MlflowException: API request to")
+        and str(port) in ranks[0]["tracking"]
+    )
+    assert ranks[1]["tracking"].startswith(
+        f"RuntimeError: rank 1: rank 0 could not open the stage's MLflow run at http://127.0.0.1:{port}: "
+        "MlflowException: API request to"
+    )
