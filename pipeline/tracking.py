@@ -101,20 +101,22 @@ def find_stage_run(uri: str, experiment: str, checkpoint_uri: str) -> str | None
 class _Sender:
     """One thread that sends a run's metric values and tags to MLflow in the order they were logged.
 
-    `put` only queues. A failed send (the server down, slow past MLflow's own retries, a locked SQLite
-    file) is logged once per outage and tried again after RETRY_S, the values kept; more than
-    `max_pending` held drops the oldest, counted. A batch MLflow refuses (a 4xx: a name it does not
-    accept) is sent again one value per request, and only what it refuses is dropped. `close` waits up to
-    `timeout` for the queue to empty and returns what it leaves unsent."""
+    `put` only queues (one call's values are one group, kept in one request where they fit). A failed send
+    (the server down or restarting, MLflow's own retries exhausted, a locked SQLite file) is logged once per
+    outage and tried again after RETRY_S, doubling, the values kept; more than `max_pending` held drops the
+    oldest, counted. A batch MLflow refuses as a bad request (400: a name it does not accept), or that keeps
+    failing, is sent one value per request: a refused value is dropped alone, and a value that keeps failing
+    while the one after it goes through is dropped as refused too, so no single value holds up the queue.
+    `close` waits up to `timeout` for the queue to empty and returns how many values it leaves unsent."""
 
     def __init__(self, client, run_id: str, max_pending: int):
         self._client, self._run_id, self._max_pending = client, run_id, max_pending
-        self._pending: deque = deque()  # (sequence number, Metric | RunTag)
+        self._pending: deque = deque()  # (sequence number, Metric | RunTag, the last of its group)
         self._seq = itertools.count()
         self._cond = threading.Condition()
-        self._closing = self._stopped = False
+        self._closing = self._stopped = self._woken = False
         self.dropped = self.refused = 0  # past max_pending; refused by MLflow
-        self._singly_through = -1  # items up to this sequence number go one per request (a batch was refused)
+        self._singly_through = -1  # items up to this sequence number go one per request
         self._thread = threading.Thread(target=self._run, name=f"mlflow-sender-{run_id}", daemon=True)
         self._thread.start()
 
@@ -122,9 +124,9 @@ class _Sender:
         with self._cond:
             if self._stopped:
                 raise RuntimeError(f"MLflow run {self._run_id}: logged to after the tracker was closed")
-            self._pending.extend((next(self._seq), item) for item in items)
+            self._pending.extend((next(self._seq), item, i == len(items) - 1) for i, item in enumerate(items))
             while len(self._pending) > self._max_pending:
-                self._pending.popleft()
+                self._pending.popleft()  # if it is in flight and arrives, `_take` takes it off the count
                 self.dropped += 1
                 if self.dropped == 1:
                     log.warning(
@@ -135,23 +137,68 @@ class _Sender:
             self._cond.notify()
 
     def _batch(self) -> list:
-        """The oldest pending items that fit one log_batch request (called under the lock)."""
+        """The oldest pending items for one log_batch request: MLflow's limits, whole groups where one fits
+        (a resume skips the steps MLflow holds a loss for: a step half sent and then lost to a crash would
+        stay half sent), one item in the one-by-one stretch (called under the lock)."""
         from mlflow.entities import RunTag
 
-        batch, tags = [], 0
-        for seq, item in self._pending:
-            is_tag = isinstance(item, RunTag)
-            full = len(batch) == (1 if seq <= self._singly_through else BATCH_VALUES)
-            if full or (is_tag and tags == BATCH_TAGS):
+        if self._pending[0][0] <= self._singly_through:
+            return [self._pending[0]]
+        batch, tags, whole = [], 0, 0
+        for entry in self._pending:
+            is_tag = isinstance(entry[1], RunTag)
+            if len(batch) == BATCH_VALUES or (is_tag and tags == BATCH_TAGS):
                 break
-            batch.append((seq, item))
+            batch.append(entry)
             tags += is_tag
-        return batch
+            whole = len(batch) if entry[2] else whole
+        return batch[:whole] if whole else batch
+
+    def _send(self, batch: list) -> None:
+        from mlflow.entities import RunTag
+
+        items = [item for _, item, _ in batch]
+        self._client.log_batch(
+            self._run_id,
+            metrics=[m for m in items if not isinstance(m, RunTag)],
+            tags=[t for t in items if isinstance(t, RunTag)],
+        )
+
+    def _take(self, batch: list, refused: bool = False) -> None:
+        """`batch` is done with: sent, or (`refused`) dropped. Under the lock."""
+        last, before = batch[-1][0], len(self._pending)
+        while self._pending and self._pending[0][0] <= last:
+            self._pending.popleft()
+        already = len(batch) - (before - len(self._pending))  # dropped by `put` while in flight
+        if refused:
+            self.refused += len(batch) - already
+        else:
+            self.dropped -= already
+
+    def _refuse(self, batch: list, exc: BaseException, why: str) -> None:
+        with self._cond:
+            self._take(batch, refused=True)
+        if self.refused <= 10 or self.refused % 1000 == 0:
+            log.error(
+                "MLflow run %s: dropped %r, which %s (%s: %s); %d values dropped so far, logging goes on",
+                self._run_id,
+                batch[0][1],
+                why,
+                type(exc).__name__,
+                _first_line(exc),
+                self.refused,
+            )
+
+    def _wait(self, seconds: float) -> None:
+        """Sleep `seconds` before a retry, cut short by a close (not by `put`)."""
+        until = time.monotonic() + seconds
+        with self._cond:
+            while not (self._woken or self._stopped) and (left := until - time.monotonic()) > 0:
+                self._cond.wait(left)
+            self._woken = False
 
     def _run(self) -> None:
-        from mlflow.entities import RunTag
-
-        failing_since, wait = None, RETRY_S[0]
+        failing_since, wait, tries = None, RETRY_S[0], 0
         while True:
             with self._cond:
                 while not self._pending and not self._closing:
@@ -159,29 +206,22 @@ class _Sender:
                 if self._stopped or not self._pending:
                     return
                 batch = self._batch()
-            items = [item for _, item in batch]
+                after = self._pending[1] if len(batch) == 1 and len(self._pending) > 1 else None
             try:
-                self._client.log_batch(
-                    self._run_id,
-                    metrics=[m for m in items if not isinstance(m, RunTag)],
-                    tags=[t for t in items if isinstance(t, RunTag)],
-                )
+                self._send(batch)
             except Exception as exc:
-                if _refused(exc) and len(batch) > 1:  # find the one it refuses: send these one by one
+                if _refused(exc) and len(batch) > 1:  # find the value it refuses: one per request
                     self._singly_through = batch[-1][0]
                     continue
-                if _refused(exc):  # sending it again cannot help; what follows may still go
-                    with self._cond:
-                        self._drop_through(batch[-1][0])
-                    self.refused += 1
-                    if self.refused == 1:
-                        log.error(
-                            "MLflow run %s: MLflow refused %r (%s: %s); dropped, logging goes on",
-                            self._run_id,
-                            items[0],
-                            type(exc).__name__,
-                            _first_line(exc),
-                        )
+                if _refused(exc):
+                    self._refuse(batch, exc, "MLflow refused")
+                    continue
+                tries += 1
+                if len(batch) > 1 and tries >= 3:  # an outage, or one value that always fails: find out
+                    self._singly_through = batch[-1][0]
+                elif after is not None and tries >= 3 and self._goes_through(after):
+                    self._refuse(batch, exc, "keeps failing while the values after it go through")
+                    tries = 0
                     continue
                 if failing_since is None:
                     failing_since = time.monotonic()
@@ -192,14 +232,13 @@ class _Sender:
                         type(exc).__name__,
                         _first_line(exc),
                     )
-                with self._cond:  # a close wakes it for one more try at once
-                    if not self._stopped:
-                        self._cond.wait(timeout=wait)
+                self._wait(wait)
                 wait = min(2 * wait, RETRY_S[1])
                 continue
             with self._cond:
-                self._drop_through(batch[-1][0])
+                self._take(batch)
                 held = len(self._pending)
+            tries = 0
             if failing_since is not None:
                 log.warning(
                     "MLflow run %s: MLflow answers again after %.0f s; sending what it missed (%d values to go)",
@@ -209,32 +248,40 @@ class _Sender:
                 )
                 failing_since, wait = None, RETRY_S[0]
 
-    def _drop_through(self, last: int) -> None:
-        """Remove the pending items up to sequence number `last` (under the lock; `put` may have dropped the
-        oldest of them meanwhile)."""
-        while self._pending and self._pending[0][0] <= last:
-            self._pending.popleft()
+    def _goes_through(self, entry: tuple) -> bool:
+        """Send the value after a failing one ahead of it: True (and it is done with) if it goes through."""
+        try:
+            self._send([entry])
+        except Exception:
+            return False
+        with self._cond:
+            if entry in self._pending:
+                self._pending.remove(entry)
+            else:  # dropped by `put` meanwhile, and sent all the same
+                self.dropped -= 1
+        return True
 
     def close(self, timeout: float) -> int:
         """Send what is pending (waiting up to `timeout` s), stop the thread; returns the values left unsent
-        (dropped ones included)."""
+        (dropped ones included). A send in flight past the timeout is the thread's last."""
         with self._cond:
-            self._closing = True
+            self._closing = self._woken = True
             self._cond.notify()
         self._thread.join(timeout)
         with self._cond:
-            self._stopped = True  # a send in flight past the timeout is the thread's last
+            self._stopped = True
             self._cond.notify()
             return len(self._pending) + self.dropped + self.refused
 
 
 def _refused(exc: BaseException) -> bool:
-    """MLflow answered and refused the request (a value it does not accept, a deleted run, no permission):
-    unlike an outage (a connection error, 5xx, a locked SQLite file: 503), trying again cannot help."""
+    """MLflow refused the request as a bad one (400: a value or name it does not accept), which trying again
+    cannot change. Anything else is an outage: connection errors and exhausted retries (500), a locked or
+    unreadable SQLite file (503), and statuses a proxy or a restarting server gives (401, 403, 404, 409,
+    499, 5xx)."""
     from mlflow.exceptions import MlflowException
 
-    status = exc.get_http_status_code() if isinstance(exc, MlflowException) else 500
-    return 400 <= status < 500 and status not in (408, 429)
+    return isinstance(exc, MlflowException) and exc.get_http_status_code() == 400
 
 
 def _first_line(exc: BaseException) -> str:
@@ -263,6 +310,7 @@ class Tracker:
         self.run_id: str | None = None
         self.last_logged_step = 0
         self.status = "FINISHED"
+        self._closed = False
         if not enabled:
             return
         import mlflow  # heavy, and rank 0 only: see the module docstring
@@ -314,11 +362,15 @@ class Tracker:
             self._mlflow.log_artifact(path, artifact_path)
 
     def close(self, status: str | None = None) -> None:
-        """Send what is queued (up to FLUSH_TIMEOUT_S) and end the run with `status`. MLflow failing here is
+        """Send what is queued (up to FLUSH_TIMEOUT_S) and end the run with `status` (MLflow's synchronous
+        call, after its own retries: minutes against a server that does not answer). MLflow failing here is
         logged, not raised: the stage's checkpoint, export and eval.json are written by then."""
-        if not self.enabled or self._mlflow.active_run() is None:
+        if not self.enabled or self._closed:
             return
+        self._closed = True
         unsent = self._sender.close(FLUSH_TIMEOUT_S)
+        if self._mlflow.active_run() is None:  # closed before
+            return
         if unsent:
             log.warning(
                 "MLflow run %s: %d metric values and tags were not sent (refused by MLflow, more than %d "
