@@ -66,14 +66,14 @@ def start_server(root: Path) -> tuple[subprocess.Popen, str]:
             time.sleep(0.5)
 
 
-def one_round(uri: str, mode: str, steps: int, start: int) -> tuple[list[float], float]:
+def one_round(uri: str, mode: str, steps: int) -> tuple[list[float], float]:
     """Per log step seconds on the caller's thread, and the close's seconds."""
     import mlflow
 
     values = {k: 0.5 for k in KEYS}
-    tracker = Tracker(uri, "bench", f"{mode}-{start}", enabled=True)
+    tracker = Tracker(uri, "bench", mode, enabled=True)
     times = []
-    for step in range(start, start + steps):
+    for step in range(1, steps + 1):
         t = time.perf_counter()
         if mode == "sync":
             mlflow.log_metrics(values, step=step)
@@ -84,7 +84,7 @@ def one_round(uri: str, mode: str, steps: int, start: int) -> tuple[list[float],
     tracker.close()
     closed = time.perf_counter() - t
     history = mlflow.MlflowClient(uri).get_metric_history(tracker.run_id, "train/loss")
-    if [m.step for m in history] != list(range(start, start + steps)):
+    if [m.step for m in history] != list(range(1, steps + 1)):
         raise AssertionError(f"{uri} {mode}: MLflow holds steps {[m.step for m in history]}")
     return times, closed
 
@@ -94,7 +94,7 @@ def measure(uri: str, steps: int, rounds: int) -> dict:
     closes = []
     for r in range(rounds):
         for mode in ("sync", "queued") if r % 2 == 0 else ("queued", "sync"):
-            times, closed = one_round(uri, mode, steps, 1)
+            times, closed = one_round(uri, mode, steps)
             per[mode] += times
             if mode == "queued":
                 closes.append(closed)

@@ -14,8 +14,9 @@ behind; one killed outright may, and the next write of the same file replaces it
 
 `shared=True` is for a file that other processes may write at the same moment (the nodes on one shared
 disk each fetching the same checkpoint file): each writer has a temporary of its own,
-`.NAME.<16 hex digits>.tmp`, and the last rename wins, every version whole. With one `NAME.tmp` the second writer truncated the first's
-data and one of the renames failed (FileNotFoundError). A killed shared writer's hidden temporary stays.
+`.NAME.<16 hex digits>.tmp`, and the last rename wins, every version whole. With one `NAME.tmp` the second
+writer truncated the first's data and one of the renames failed (FileNotFoundError). A killed shared
+writer's hidden temporary stays.
 """
 
 from __future__ import annotations

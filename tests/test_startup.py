@@ -8,6 +8,7 @@ chosen record.
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import socket
 from datetime import timedelta
@@ -91,8 +92,6 @@ def _on_rank(rank: int, root: str, ckpts: str) -> dict:
 
 def _open_tracking(rank: int, uri: str, run_dir: str) -> str:
     """What a stage whose MLflow server refuses connections does on this rank when opening its run."""
-    import os
-
     os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"  # refused at once, not after minutes of retries
     ctx = DistContext(rank, 2, rank, torch.device("cpu"), dist.group.WORLD)
     cfg = validate_config(
