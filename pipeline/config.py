@@ -533,6 +533,14 @@ class DebugConfig(_Section):
     kill_at_step: int | None = Field(
         None, gt=0, description="Step at which kill_rank dies (once per run dir)."
     )
+    nan_rank: int | None = Field(
+        None,
+        ge=0,
+        description="Rank whose loss is made NaN at nan_at_step (tests of the non-finite-loss stop).",
+    )
+    nan_at_step: int | None = Field(
+        None, gt=0, description="Step at which nan_rank's loss is NaN (every run)."
+    )
     resume_optimizer: bool = Field(True, description="False resumes weights only (a negative control).")
     step_delay_s: float = Field(
         0.0,

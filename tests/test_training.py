@@ -1,6 +1,7 @@
 """The training loop on 2 gloo ranks: exact resume per ZeRO stage, checkpoint safety, MLflow contents."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -76,6 +77,54 @@ def _flip_byte(path: Path, offset: int = 200) -> None:
     data = bytearray(path.read_bytes())
     data[offset] ^= 0xFF
     path.write_bytes(bytes(data))
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_a_loss_gone_nan_stops_every_rank_before_a_checkpoint_holds_it(smoke_dataset, tmp_path):
+    """bf16 under ZeRO-2, where DeepSpeed checks no overflow and a NaN gradient makes the weights NaN. Rank 1's
+    loss made NaN at step 6 (`debug.nan_*`), a save step between log steps (every 4): both ranks stop there,
+    naming the step, the rank and what to change; step_3 stays the newest checkpoint and the run is FAILED.
+    Resumed with the NaN at step 8 (a log step, the last): from step_3, step 6 saved, the NaN loss logged at
+    step 8, and neither its checkpoint nor the export written."""
+    run_dir = tmp_path / "run"
+    args = [
+        # torchrun stops a rank at once when the other ends: 5 s between its checks let both end by themselves
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--monitor-interval=5",
+        "-m", "pipeline.train.launch", "configs/experiments/smoke.yaml", "cluster.launcher=local",
+        f"run_dir={run_dir}", f"data.train={smoke_dataset}", "deepspeed.precision=bf16", "optim.steps=8",
+        "tracking.log_every=4", "checkpoint.every_steps=3", "checkpoint.keep_last=3",
+        "tracking.system_metrics=false", "debug.nan_rank=1",
+    ]  # fmt: skip
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([*args, "debug.nan_at_step=6"], cwd=ROOT, env=env, capture_output=True, text=True)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    error = "pipeline.train.loop.NonFiniteLoss: [smoke] step"
+    assert f"[rank1]: {error} 6: rank 1's training loss is nan" in out, out[-5000:]
+    assert f"[rank0]: {error} 6: " in out, out[-5000:]  # its own loss finite, the gradient norm not
+    assert "lower optim.base_lr" in out
+    ckpts = run_dir / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000003"], out[-3000:]
+    assert (ckpts / "latest").read_text() == "step_00000003"
+    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "FAILED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [4]
+
+    proc = subprocess.run([*args, "debug.nan_at_step=8"], cwd=ROOT, env=env, capture_output=True, text=True)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "resumed from step_00000003" in out, out[-5000:]
+    for rank in (0, 1):
+        assert f"[rank{rank}]: {error} 8: the training loss (mean over the 2 ranks) is nan" in out, out[
+            -5000:
+        ]
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000003", "step_00000006"]
+    assert not (run_dir / "export").exists()
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    loss = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/loss")}
+    assert run.info.status == "FAILED" and sorted(loss) == [4, 8], loss
+    assert math.isfinite(loss[4]) and math.isnan(loss[8]), loss
 
 
 @pytest.mark.slow

@@ -6,6 +6,12 @@ resume, step, log, save, finish (final checkpoint and export); `train(cfg)` is `
 A step makes no host sync: the loss is read, metrics logged and stop requests agreed only every
 `tracking.log_every` steps (tests/test_host_sync.py counts every tensor-to-host read of a run).
 
+A loss or gradient norm that is not finite stops the stage (`NonFiniteLoss`), as MAE's and big_vision's
+loops do: at a log step from the values it reads anyway, and before a checkpoint between log steps from
+every rank's own loss. Under bf16 ZeRO-1/2 (engine.py turns DeepSpeed's overflow check off) such a step
+leaves the weights NaN, and saving them would, after `keep_last` more saves, have pruned every checkpoint
+worth resuming from; the other setups skip the step, but a loss gone NaN is a run diverging all the same.
+
 Exactness: a stage stopped after step N and resumed gives the same per-step losses and final weights
 (and weight EMA) as an uninterrupted one (CPU, fp32): the checkpoint holds model, optimizer, scheduler,
 step, every rank's RNG states and share of the weight EMA (pipeline.train.ema), and the data stream's
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import signal
 import threading
@@ -426,9 +433,13 @@ class Trainer:
         _maybe_kill(cfg, self.ctx.rank, step + 1, self.run_path)
         if cfg.debug.step_delay_s:
             time.sleep(cfg.debug.step_delay_s)
+        objective = self.objective
+        if cfg.debug.nan_rank == self.ctx.rank and cfg.debug.nan_at_step == step + 1:
+            objective = _NanLoss(objective)
         out = train_step(
-            self.engine, self.objective, batches, self.to_device, cfg.seed, step, self.accum, self.ctx.rank
+            self.engine, objective, batches, self.to_device, cfg.seed, step, self.accum, self.ctx.rank
         )
+        self.step_loss = out[0].detach()
         if self.ema is not None:
             self.ema.update()
         self.interval.steps += 1
@@ -480,8 +491,14 @@ class Trainer:
         if self.saver.completed:  # from a save's start until its tag was complete, on this rank
             values["checkpoint/save_s"] = self.saver.completed[-1][1]
             self.saver.completed.clear()
-        self.tracker.log_metrics(values, step=done)
+        self.tracker.log_metrics(values, step=done)  # a non-finite value too: the run shows where it went
         self.interval = _Interval(start=now)
+        # The same values on every rank (summed over ranks; DeepSpeed's norm is global): no collective.
+        mean = f"the training loss (mean over the {ctx.world_size} ranks)"
+        bad = _not_finite(mean, self.last_loss, values.get("train/grad_norm"))
+        if bad:
+            self._stop_not_finite(done, bad)
+        self.checked = done
         if ctx.is_main and progress_due(done, cfg.optim.steps, self.last_printed, now - self.t_print):
             self.last_printed, self.t_print = done, now
             rate = (done - self.start) / (now - self.t0)
@@ -493,12 +510,34 @@ class Trainer:
 
     # -- save
     def save(self, step: int) -> Path:
-        """The stall: until every rank holds its copy of the state (the rest runs beside the next steps)."""
+        """The stall: until every rank holds its copy of the state (the rest runs beside the next steps).
+        Between log steps the ranks first agree that every rank's loss and the gradient norm are finite."""
+        if step != self.checked:
+            gnorm = self.engine.get_global_grad_norm()
+            # host reads at a save only, which syncs anyway
+            own = f"rank {self.ctx.rank}'s training loss"
+            bad = _not_finite(own, float(self.step_loss), None if gnorm is None else float(gnorm))
+            if not checkpoint.all_agree(not bad, self.ctx.control_group):
+                self._stop_not_finite(step, bad or "another rank's training loss is not finite")
+            self.checked = step
         t = time.perf_counter()
         more = None if self.ema is None else self.ema.snapshot
         path = self.saver.save(step, {"step": step, "data": self.deal.to_dict()}, self.meta, more=more)
         self.interval.saving += time.perf_counter() - t
         return path
+
+    def _stop_not_finite(self, step: int, what: str) -> None:
+        """Every rank at once: a save in flight (from before this step, checked then) completes, nothing
+        after it is saved, and the stage fails naming the step, the value and what to change."""
+        cfg = self.cfg
+        self.saver.wait()
+        raise NonFiniteLoss(
+            f"[{cfg.name}] step {step}: {what}. The stage stops and saves nothing from this step on (under "
+            f"bf16 ZeRO-1/2 its update leaves the weights NaN); every checkpoint in {self.ckpt_dir} is from "
+            "before it. A resumed run replays the same batches from there: lower optim.base_lr, lengthen "
+            f"optim.warmup_steps or set optim.grad_clip (now {cfg.optim.grad_clip:g}) first, or look for a "
+            "broken input near this step."
+        )
 
     # -- the loop
     def run(self) -> StageResult:
@@ -526,6 +565,8 @@ class Trainer:
                 self._print_start()
             self.losses: list[float] = []
             self.last_loss = float("nan")
+            # The last step whose loss was found finite (a resumed run's start: when it was saved).
+            self.checked = self.start
             self.t0 = self.t_print = time.perf_counter()
             self.interval = _Interval(start=self.t0)
             self.last_printed = None
@@ -711,6 +752,31 @@ def _shutdown_loader(batches) -> None:
     shutdown = getattr(batches, "_shutdown_workers", None)  # DataLoader's multi-process iterator
     if shutdown is not None:
         shutdown()
+
+
+def _not_finite(loss_name: str, loss: float, gnorm: float | None) -> str:
+    """Which of the loss and the gradient norm (None: DeepSpeed computed none) is NaN or infinite, in words;
+    "" when both are finite."""
+    bad = [f"{loss_name} is {loss}"] if not math.isfinite(loss) else []
+    if gnorm is not None and not math.isfinite(gnorm):
+        bad.append(f"the gradient norm is {gnorm}")
+    return " and ".join(bad)
+
+
+class NonFiniteLoss(RuntimeError):
+    """The training loss or gradient norm is NaN or infinite: raised on every rank at the same step."""
+
+
+class _NanLoss:
+    """Fault injection (`debug.nan_rank`, `debug.nan_at_step`): the objective's loss times NaN, so that the
+    gradients, and the weights they update, are NaN as a diverging run's are."""
+
+    def __init__(self, objective):
+        self.objective = objective
+
+    def loss(self, engine, batch):
+        loss, metrics = self.objective.loss(engine, batch)
+        return loss * float("nan"), metrics
 
 
 def _maybe_kill(cfg: StageConfig, rank: int, step: int, run_path: Path) -> None:
