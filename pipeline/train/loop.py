@@ -530,7 +530,10 @@ class Trainer:
         """Every rank at once: a save in flight (from before this step, checked then) completes, nothing
         after it is saved, and the stage fails naming the step, the value and what to change."""
         cfg = self.cfg
-        self.saver.wait()
+        try:
+            self.saver.wait()
+        except Exception as exc:  # that save's own failure (on every rank): logged, the NaN raised
+            log.error("rank %d: %s", self.ctx.rank, exc)
         raise NonFiniteLoss(
             f"[{cfg.name}] step {step}: {what}. The stage stops and saves nothing from this step on (under "
             f"bf16 ZeRO-1/2 its update leaves the weights NaN); every checkpoint in {self.ckpt_dir} is from "
