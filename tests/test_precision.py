@@ -162,7 +162,7 @@ def _changed(one_rank, case, precision: str, zero: int, teacher: Path) -> set[st
     batches = _batches(objective_name, seed=1)
     losses = []
     for step in range(3):
-        loss, metrics, _, _ = train_step(engine, objective, batches, lambda b: b, 0, step, 1, 0)
+        loss, metrics, _, _, _ = train_step(engine, objective, batches, lambda b: b, 0, step, 1, 0)
         losses.append(loss.float().item())
         assert all(math.isfinite(v.float().item()) for v in metrics.values()), metrics
     assert all(math.isfinite(v) for v in losses), f"{precision} ZeRO-{zero}: losses {losses}"

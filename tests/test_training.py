@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -84,26 +85,34 @@ def _flip_byte(path: Path, offset: int = 200) -> None:
 def test_a_loss_gone_nan_stops_every_rank_before_a_checkpoint_holds_it(smoke_dataset, tmp_path):
     """bf16 under ZeRO-2, where DeepSpeed checks no overflow and a NaN gradient makes the weights NaN. Rank 1's
     loss made NaN at step 6 (`debug.nan_*`), a save step between log steps (every 4): both ranks stop there,
-    naming the step, the rank and what to change; step_3 stays the newest checkpoint and the run is FAILED.
-    Resumed with the NaN at step 8 (a log step, the last): from step_3, step 6 saved, the NaN loss logged at
-    step 8, and neither its checkpoint nor the export written."""
+    each naming what it found (rank 0 its NaN weights) and what to change; step_3 stays the newest checkpoint
+    and the run is FAILED. Resumed with the NaN at step 8 (a log step, the last): from step_3, step 6 saved,
+    the NaN loss logged at step 8, and neither its checkpoint nor the export written. In fp32, where
+    DeepSpeed skips such a step and the weights stay finite, a NaN at step 5 (neither a log nor a save step)
+    stops the stage at the save of step 6 all the same."""
     run_dir = tmp_path / "run"
     args = [
-        # torchrun stops a rank at once when the other ends: 5 s between its checks let both end by themselves
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--monitor-interval=5",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
         "-m", "pipeline.train.launch", "configs/experiments/smoke.yaml", "cluster.launcher=local",
-        f"run_dir={run_dir}", f"data.train={smoke_dataset}", "deepspeed.precision=bf16", "optim.steps=8",
-        "tracking.log_every=4", "checkpoint.every_steps=3", "checkpoint.keep_last=3",
-        "tracking.system_metrics=false", "debug.nan_rank=1",
+        f"data.train={smoke_dataset}", "optim.steps=8", "tracking.log_every=4", "checkpoint.every_steps=3",
+        "checkpoint.keep_last=3", "tracking.system_metrics=false", "debug.nan_rank=1",
     ]  # fmt: skip
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([*args, "debug.nan_at_step=6"], cwd=ROOT, env=env, capture_output=True, text=True)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out[-3000:]
-    error = "pipeline.train.loop.NonFiniteLoss: [smoke] step"
-    assert f"[rank1]: {error} 6: rank 1's training loss is nan" in out, out[-5000:]
-    assert f"[rank0]: {error} 6: " in out, out[-5000:]  # its own loss finite, the gradient norm not
-    assert "lower optim.base_lr" in out
+
+    def stage(*extra: str) -> tuple[str, dict[int, str]]:
+        """The run's output, and each rank's NonFiniteLoss message."""
+        proc = subprocess.run([*args, *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode != 0, out[-3000:]
+        found = re.findall(r"\[rank(\d)\]: pipeline\.train\.loop\.NonFiniteLoss: \[smoke\] (.*)", out)
+        return out, {int(rank): message for rank, message in found}
+
+    bf16 = [f"run_dir={run_dir}", "deepspeed.precision=bf16"]
+    out, errors = stage(*bf16, "debug.nan_at_step=6")
+    assert errors[1].startswith("step 6: rank 1's training loss is nan"), out[-5000:]
+    assert errors[0].startswith("step 6: the gradient norm is inf"), out[-5000:]
+    assert "rank 0's share of the fp32 weights is not finite" in errors[0], errors[0]
+    assert "lower the learning rate (optim.base_lr or optim.lr)" in errors[0] and "steps 5-6" in errors[0]
     ckpts = run_dir / "checkpoints"
     assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000003"], out[-3000:]
     assert (ckpts / "latest").read_text() == "step_00000003"
@@ -112,19 +121,25 @@ def test_a_loss_gone_nan_stops_every_rank_before_a_checkpoint_holds_it(smoke_dat
     assert run.info.status == "FAILED"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [4]
 
-    proc = subprocess.run([*args, "debug.nan_at_step=8"], cwd=ROOT, env=env, capture_output=True, text=True)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and "resumed from step_00000003" in out, out[-5000:]
+    out, errors = stage(*bf16, "debug.nan_at_step=8")
+    assert "resumed from step_00000003" in out, out[-5000:]
     for rank in (0, 1):
-        assert f"[rank{rank}]: {error} 8: the training loss (mean over the 2 ranks) is nan" in out, out[
-            -5000:
-        ]
+        assert errors[rank].startswith(
+            "step 8: the training loss summed over the step's micro-batches and the 2 ranks is nan"
+        ), out[-5000:]
     assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000003", "step_00000006"]
     assert not (run_dir / "export").exists()
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     loss = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/loss")}
     assert run.info.status == "FAILED" and sorted(loss) == [4, 8], loss
     assert math.isfinite(loss[4]) and math.isnan(loss[8]), loss
+
+    fp32 = tmp_path / "fp32"
+    out, errors = stage(f"run_dir={fp32}", "deepspeed.precision=fp32", "debug.nan_at_step=5")
+    for rank in (0, 1):
+        assert "DeepSpeed skipped 1 of the steps after step 4" in errors[rank], out[-5000:]
+        assert "weights" not in errors[rank].split(".")[0], errors[rank]  # they stayed finite
+    assert sorted(p.name for p in (fp32 / "checkpoints").glob("step_*")) == ["step_00000003"]
 
 
 @pytest.mark.slow

@@ -6,11 +6,13 @@ resume, step, log, save, finish (final checkpoint and export); `train(cfg)` is `
 A step makes no host sync: the loss is read, metrics logged and stop requests agreed only every
 `tracking.log_every` steps (tests/test_host_sync.py counts every tensor-to-host read of a run).
 
-A loss or gradient norm that is not finite stops the stage (`NonFiniteLoss`), as MAE's and big_vision's
-loops do: at a log step from the values it reads anyway, and before a checkpoint between log steps from
-every rank's own loss. Under bf16 ZeRO-1/2 (engine.py turns DeepSpeed's overflow check off) such a step
-leaves the weights NaN, and saving them would, after `keep_last` more saves, have pruned every checkpoint
-worth resuming from; the other setups skip the step, but a loss gone NaN is a run diverging all the same.
+A step whose loss or gradients are not finite stops the stage (`NonFiniteLoss`) at the next log step or
+save, as MAE's and big_vision's loops stop: where DeepSpeed checks no overflow (bf16 ZeRO-1/2, where engine.py
+turns it off, and ZeRO-0 in fp32) its update leaves the weights NaN, and saving them would, after `keep_last`
+more saves, have pruned every checkpoint worth resuming from; elsewhere DeepSpeed skips the step (counted in
+`engine.skipped_steps`), and a run whose loss went NaN is diverging all the same. A log step checks the
+values it reads anyway (no collective); a save first checks this rank's share of the fp32 weights too, and
+the ranks agree, so no checkpoint holds a weight that is not finite.
 
 Exactness: a stage stopped after step N and resumed gives the same per-step losses and final weights
 (and weight EMA) as an uninterrupted one (CPU, fp32): the checkpoint holds model, optimizer, scheduler,
@@ -57,7 +59,7 @@ from pipeline.stage import (
     preprocessing_of,
 )
 from pipeline.train import checkpoint, reshard
-from pipeline.train.ema import WeightEma
+from pipeline.train.ema import WeightEma, local_masters
 from pipeline.train.engine import build_engine, consolidated_state_dict, peak_lr
 from pipeline.train.export import export_weights
 from pipeline.train.saving import Checkpointer
@@ -146,8 +148,9 @@ def train_step(
 ):
     """One optimizer step: `accum` micro-batches through the objective and the engine, with no host sync
     (tests/test_host_sync.py counts). Returns (loss, metrics, last batch, seconds the host spent getting
-    batches: waiting on the loader, and moving or decoding them onto the device)."""
-    waited = 0.0
+    batches: waiting on the loader, and moving or decoding them onto the device, the sum of the micro-batches'
+    losses: not finite where any was)."""
+    waited, total = 0.0, None
     for micro in range(accum):
         t = time.perf_counter()
         batch = to_device(next(batches))  # with data.decode: cuda, the decode too
@@ -156,7 +159,8 @@ def train_step(
         loss, metrics = objective.loss(engine, batch)
         engine.backward(loss)
         engine.step()
-    return loss, metrics, batch, waited
+        total = loss.detach() if total is None else total + loss.detach()
+    return loss, metrics, batch, waited, total
 
 
 def _flops_per_image(model) -> int | None:
@@ -439,7 +443,7 @@ class Trainer:
         out = train_step(
             self.engine, objective, batches, self.to_device, cfg.seed, step, self.accum, self.ctx.rank
         )
-        self.step_loss = out[0].detach()
+        self.step_loss = out[4]
         if self.ema is not None:
             self.ema.update()
         self.interval.steps += 1
@@ -451,9 +455,8 @@ class Trainer:
         """The loss and skipped samples summed over ranks in one call, the metrics read; rank 0 logs them
         and prints progress."""
         cfg, ctx, span = self.cfg, self.ctx, self.interval
-        packed = torch.stack(
-            [loss.detach().float(), torch.tensor(float(batch["skipped"]), device=ctx.device)]
-        )
+        skipped = torch.tensor(float(batch["skipped"]), device=ctx.device)
+        packed = torch.stack([loss.detach().float(), skipped, self.step_loss.float()])
         dist.all_reduce(packed)
         self.last_loss = packed[0].item() / ctx.world_size
         self.losses.append(self.last_loss)
@@ -493,11 +496,11 @@ class Trainer:
             self.saver.completed.clear()
         self.tracker.log_metrics(values, step=done)  # a non-finite value too: the run shows where it went
         self.interval = _Interval(start=now)
-        # The same values on every rank (summed over ranks; DeepSpeed's norm is global): no collective.
-        mean = f"the training loss (mean over the {ctx.world_size} ranks)"
-        bad = _not_finite(mean, self.last_loss, values.get("train/grad_norm"))
+        # The same values on every rank (summed over ranks; DeepSpeed's norm and step count are global).
+        total = f"the training loss summed over the step's micro-batches and the {ctx.world_size} ranks"
+        bad = self._not_finite(total, packed[2].item(), values.get("train/grad_norm"))
         if bad:
-            self._stop_not_finite(done, bad)
+            self._stop_not_finite(done, " and ".join(bad))
         self.checked = done
         if ctx.is_main and progress_due(done, cfg.optim.steps, self.last_printed, now - self.t_print):
             self.last_printed, self.t_print = done, now
@@ -511,20 +514,35 @@ class Trainer:
     # -- save
     def save(self, step: int) -> Path:
         """The stall: until every rank holds its copy of the state (the rest runs beside the next steps).
-        Between log steps the ranks first agree that every rank's loss and the gradient norm are finite."""
-        if step != self.checked:
-            gnorm = self.engine.get_global_grad_norm()
-            # host reads at a save only, which syncs anyway
-            own = f"rank {self.ctx.rank}'s training loss"
-            bad = _not_finite(own, float(self.step_loss), None if gnorm is None else float(gnorm))
-            if not checkpoint.all_agree(not bad, self.ctx.control_group):
-                self._stop_not_finite(step, bad or "another rank's training loss is not finite")
-            self.checked = step
+        First the ranks agree that the step's losses, the gradient norm and every rank's share of the fp32
+        weights are finite (host reads and a CPU all-reduce at a save only, which syncs anyway)."""
+        rank = self.ctx.rank
+        gnorm = self.engine.get_global_grad_norm()
+        loss = None if self.step_loss is None else float(self.step_loss)  # None: no step ran in this process
+        bad = self._not_finite(f"rank {rank}'s training loss", loss, None if gnorm is None else float(gnorm))
+        if self.masters and not bool(torch.stack([torch.isfinite(w).all() for w in self.masters]).all()):
+            bad.append(f"rank {rank}'s share of the fp32 weights is not finite")
+        if not checkpoint.all_agree(not bad, self.ctx.control_group):
+            self._stop_not_finite(step, " and ".join(bad) or "another rank found a value that is not finite")
+        self.checked = step
         t = time.perf_counter()
         more = None if self.ema is None else self.ema.snapshot
         path = self.saver.save(step, {"step": step, "data": self.deal.to_dict()}, self.meta, more=more)
         self.interval.saving += time.perf_counter() - t
         return path
+
+    def _not_finite(self, loss_name: str, loss: float | None, gnorm: float | None) -> list[str]:
+        """What is NaN or infinite, in words ([] when nothing is): the loss (None: not read), DeepSpeed's
+        gradient norm (None: it computed none) and the optimizer steps DeepSpeed skipped for gradients that
+        were not finite (a host count, the same on every rank), since the last check."""
+        bad = [f"{loss_name} is {loss}"] if loss is not None and not math.isfinite(loss) else []
+        if gnorm is not None and not math.isfinite(gnorm):
+            bad.append(f"the gradient norm is {gnorm}")
+        skipped = self.engine.skipped_steps - self.skipped_at_start
+        if skipped:
+            why = "their gradients were not finite"
+            bad.append(f"DeepSpeed skipped {skipped} of the steps after step {self.checked}: {why}")
+        return bad
 
     def _stop_not_finite(self, step: int, what: str) -> None:
         """Every rank at once: a save in flight (from before this step, checked then) completes, nothing
@@ -534,12 +552,13 @@ class Trainer:
             self.saver.wait()
         except Exception as exc:  # that save's own failure (on every rank): logged, the NaN raised
             log.error("rank %d: %s", self.ctx.rank, exc)
+        clip = cfg.optim.grad_clip
         raise NonFiniteLoss(
-            f"[{cfg.name}] step {step}: {what}. The stage stops and saves nothing from this step on (under "
-            f"bf16 ZeRO-1/2 its update leaves the weights NaN); every checkpoint in {self.ckpt_dir} is from "
-            "before it. A resumed run replays the same batches from there: lower optim.base_lr, lengthen "
-            f"optim.warmup_steps or set optim.grad_clip (now {cfg.optim.grad_clip:g}) first, or look for a "
-            "broken input near this step."
+            f"[{cfg.name}] step {step}: {what}. The stage stops and saves nothing from here on; every "
+            f"checkpoint in {self.ckpt_dir} was found finite when it was saved. A resumed run replays the same "
+            "batches: first lower the learning rate (optim.base_lr or optim.lr), lengthen optim.warmup_steps or "
+            + (f"lower optim.grad_clip (now {clip:g})" if clip else "set optim.grad_clip (now off)")
+            + f", or look for a broken input in steps {self.checked + 1}-{step}."
         )
 
     # -- the loop
@@ -568,8 +587,11 @@ class Trainer:
                 self._print_start()
             self.losses: list[float] = []
             self.last_loss = float("nan")
-            # The last step whose loss was found finite (a resumed run's start: when it was saved).
-            self.checked = self.start
+            # The last step found finite (a resumed run's start: when it was saved); DeepSpeed's count of
+            # skipped steps there; this rank's share of the fp32 weights (views the optimizer updates).
+            self.checked, self.skipped_at_start = self.start, self.engine.skipped_steps
+            self.masters = [w for _, w in local_masters(self.engine, ctx.rank, ctx.world_size)]
+            self.step_loss = None
             self.t0 = self.t_print = time.perf_counter()
             self.interval = _Interval(start=self.t0)
             self.last_printed = None
@@ -577,7 +599,7 @@ class Trainer:
             batches = self.batches()
             try:
                 for step in range(self.start, cfg.optim.steps):
-                    loss, metrics, batch, _ = self.step(step, batches)
+                    loss, metrics, batch, _, _ = self.step(step, batches)
                     done = step + 1
                     if done % cfg.tracking.log_every == 0 or done == cfg.optim.steps:
                         self.log(done, loss, metrics, batch, batches)
@@ -755,15 +777,6 @@ def _shutdown_loader(batches) -> None:
     shutdown = getattr(batches, "_shutdown_workers", None)  # DataLoader's multi-process iterator
     if shutdown is not None:
         shutdown()
-
-
-def _not_finite(loss_name: str, loss: float, gnorm: float | None) -> str:
-    """Which of the loss and the gradient norm (None: DeepSpeed computed none) is NaN or infinite, in words;
-    "" when both are finite."""
-    bad = [f"{loss_name} is {loss}"] if not math.isfinite(loss) else []
-    if gnorm is not None and not math.isfinite(gnorm):
-        bad.append(f"the gradient norm is {gnorm}")
-    return " and ".join(bad)
 
 
 class NonFiniteLoss(RuntimeError):
