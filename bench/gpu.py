@@ -360,7 +360,7 @@ def run_fed_training(data_root: str, t: Train, gpu: bool, workers: int) -> dict:
     waited = 0.0
     t0 = time.perf_counter()
     for step in range(t.warmup, t.warmup + t.steps):
-        loss, _, _, w = train_step(engine, objective, it, to_device, 0, step, 1, 0)
+        loss, _, _, w, _ = train_step(engine, objective, it, to_device, 0, step, 1, 0)
         waited += w
     float(loss)
     if gpu:

@@ -91,8 +91,9 @@ def test_a_loss_gone_nan_stops_every_rank_before_a_checkpoint_holds_it(smoke_dat
     DeepSpeed skips such a step and the weights stay finite, a NaN at step 5 (neither a log nor a save step)
     stops the stage at the save of step 6 all the same."""
     run_dir = tmp_path / "run"
+    # torchrun checks its ranks every 5 s (not 0.1): rank 0 ends by itself, not stopped for rank 1's exit
     args = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--monitor-interval=5",
         "-m", "pipeline.train.launch", "configs/experiments/smoke.yaml", "cluster.launcher=local",
         f"data.train={smoke_dataset}", "optim.steps=8", "tracking.log_every=4", "checkpoint.every_steps=3",
         "checkpoint.keep_last=3", "tracking.system_metrics=false", "debug.nan_rank=1",
@@ -110,6 +111,7 @@ def test_a_loss_gone_nan_stops_every_rank_before_a_checkpoint_holds_it(smoke_dat
     bf16 = [f"run_dir={run_dir}", "deepspeed.precision=bf16"]
     out, errors = stage(*bf16, "debug.nan_at_step=6")
     assert errors[1].startswith("step 6: rank 1's training loss is nan"), out[-5000:]
+    assert "rank 1's share of the fp32 weights is not finite" in errors[1], errors[1]
     assert errors[0].startswith("step 6: the gradient norm is inf"), out[-5000:]
     assert "rank 0's share of the fp32 weights is not finite" in errors[0], errors[0]
     assert "lower the learning rate (optim.base_lr or optim.lr)" in errors[0] and "steps 5-6" in errors[0]
@@ -137,9 +139,16 @@ def test_a_loss_gone_nan_stops_every_rank_before_a_checkpoint_holds_it(smoke_dat
     fp32 = tmp_path / "fp32"
     out, errors = stage(f"run_dir={fp32}", "deepspeed.precision=fp32", "debug.nan_at_step=5")
     for rank in (0, 1):
-        assert "DeepSpeed skipped 1 of the steps after step 4" in errors[rank], out[-5000:]
+        assert (
+            errors[rank].startswith("step 6: ")
+            and "DeepSpeed skipped 1 of the steps after step 4" in errors[rank]
+        ), out[-5000:]
         assert "weights" not in errors[rank].split(".")[0], errors[rank]  # they stayed finite
     assert sorted(p.name for p in (fp32 / "checkpoints").glob("step_*")) == ["step_00000003"]
+    assert not (fp32 / "export").exists()
+    client = MlflowClient(f"sqlite:///{fp32 / 'mlflow.db'}")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "FAILED"
 
 
 @pytest.mark.slow

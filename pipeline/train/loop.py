@@ -520,7 +520,7 @@ class Trainer:
         gnorm = self.engine.get_global_grad_norm()
         loss = None if self.step_loss is None else float(self.step_loss)  # None: no step ran in this process
         bad = self._not_finite(f"rank {rank}'s training loss", loss, None if gnorm is None else float(gnorm))
-        if self.masters and not bool(torch.stack([torch.isfinite(w).all() for w in self.masters]).all()):
+        if not all(bool(torch.isfinite(w).all()) for w in self.masters):  # a host read per tensor, at a save
             bad.append(f"rank {rank}'s share of the fp32 weights is not finite")
         if not checkpoint.all_agree(not bad, self.ctx.control_group):
             self._stop_not_finite(step, " and ".join(bad) or "another rank found a value that is not finite")
@@ -554,9 +554,10 @@ class Trainer:
             log.error("rank %d: %s", self.ctx.rank, exc)
         clip = cfg.optim.grad_clip
         raise NonFiniteLoss(
-            f"[{cfg.name}] step {step}: {what}. The stage stops and saves nothing from here on; every "
-            f"checkpoint in {self.ckpt_dir} was found finite when it was saved. A resumed run replays the same "
-            "batches: first lower the learning rate (optim.base_lr or optim.lr), lengthen optim.warmup_steps or "
+            f"[{cfg.name}] step {step}: {what}. The stage stops and saves nothing from here on: its newest "
+            f"checkpoint in {self.ckpt_dir} is from step {self.checked} or before, which passed this check. A "
+            "resumed run replays the same batches: first lower the learning rate (optim.base_lr or optim.lr), "
+            "lengthen optim.warmup_steps or "
             + (f"lower optim.grad_clip (now {clip:g})" if clip else "set optim.grad_clip (now off)")
             + f", or look for a broken input in steps {self.checked + 1}-{step}."
         )
